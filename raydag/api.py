@@ -1,0 +1,111 @@
+"""What users call: a dask scheduler ``get`` and a ``persist`` that keeps results in Ray."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import dask
+
+from raydag import runtime
+
+logger = logging.getLogger(__name__)
+
+# Keyword arguments other backends' get functions take (DaskVine, distributed,
+# dask.local). Accepted so that scripts run unchanged; raydag decides these itself.
+FOREIGN_KWARGS = frozenset(
+    {
+        "resources",
+        "prune_depth",
+        "worker_transfers",
+        "task_mode",
+        "lib_resources",
+        "extra_files",
+        "env_vars",
+        "wrapper",
+        "wrapper_proc",
+        "lazy_transfers",
+        "submit_per_cycle",
+        "max_pending",
+        "hoisting_modules",
+        "import_modules",
+        "progress_disable",
+        "progress_label",
+        "reconstruct",
+        "merge_size",
+        "low_memory_mode",
+        "checkpoint_fn",
+        "num_workers",
+        "pool",
+        "chunksize",
+        "get_id",
+        "rerun_exceptions_locally",
+        "workers",
+        "allow_other_workers",
+        "retries",
+        "priority",
+        "fifo_timeout",
+        "actors",
+        "sync",
+        "asynchronous",
+        "direct",
+        "optimize_graph",
+    }
+)
+
+
+class IgnoredArgumentsWarning(UserWarning):
+    """A keyword argument meant for another scheduler was accepted and ignored."""
+
+
+def ray_get(dsk: Any, keys: Any, callbacks: Any = None, **kwargs: Any) -> Any:
+    """A dask scheduler ``get`` that runs the graph on Ray.
+
+    ``dask.compute(x, scheduler=raydag.ray_get)``. Results come back in the nested
+    structure of ``keys``; a task's exception is raised with its own type and traceback.
+    """
+    _warn_ignored(kwargs)
+    graph, refs = runtime.run(dsk, keys, callbacks=callbacks)
+    try:
+        values = dict(zip(refs, runtime.ray.get(list(refs.values()))))
+    finally:
+        refs.clear()
+    return runtime.nested(keys, values)
+
+
+get = ray_get
+
+
+def _refs_get(dsk: Any, keys: Any, **kwargs: Any) -> Any:
+    """Like ``ray_get`` but leaves results in Ray's object store as ObjectRefs."""
+    _warn_ignored(kwargs)
+    _, refs = runtime.run(dsk, keys, callbacks=kwargs.get("callbacks"))
+    return runtime.nested(keys, refs)
+
+
+def persist(*args: Any, **kwargs: Any) -> Any:
+    """``dask.persist`` whose results stay in Ray's object store.
+
+    The returned collections hold ObjectRefs in their graphs; computing them with
+    raydag reads those objects where they are, and dropping the collections frees them.
+    Returns one collection for one argument, a tuple otherwise, as ``dask.persist``.
+    """
+    kwargs.pop("scheduler", None)
+    results = dask.persist(*args, scheduler=_refs_get, **kwargs)
+    return results[0] if len(args) == 1 else results
+
+
+def _warn_ignored(kwargs: dict[str, Any]) -> None:
+    kwargs.pop("callbacks", None)
+    if kwargs:
+        names = ", ".join(sorted(kwargs))
+        unknown = set(kwargs) - FOREIGN_KWARGS
+        hint = f" (not known to any backend: {', '.join(sorted(unknown))})" if unknown else ""
+        warnings.warn(
+            f"raydag ignores these keyword arguments: {names}{hint}",
+            IgnoredArgumentsWarning,
+            stacklevel=3,
+        )
+
+

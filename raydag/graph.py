@@ -1,0 +1,143 @@
+"""The task graph as raydag holds it: dask's input normalised once, checked before anything runs.
+
+Whatever dask hands a scheduler's ``get`` (a ``HighLevelGraph``, a plain dict, an
+expression, legacy tuple tasks or ``dask._task_spec`` nodes) becomes one ``Graph``:
+task nodes, dependencies both ways, the requested keys, ``dask.order`` priorities and
+per-key annotations. The graph is raydag's lineage: every result can be recomputed
+from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dask._task_spec import DataNode, GraphNode, convert_legacy_graph
+from dask.core import flatten
+from dask.order import order
+
+Key = Hashable
+
+
+class GraphError(ValueError):
+    """The graph cannot run: raised before anything is submitted."""
+
+
+@dataclass
+class Graph:
+    tasks: dict[Key, GraphNode]
+    dependencies: dict[Key, frozenset]
+    dependents: dict[Key, set]
+    outputs: set
+    priorities: dict[Key, int]
+    annotations: dict[str, dict[Key, Any]] = field(default_factory=dict)
+    # Keys whose values already exist outside this graph (for example ObjectRefs of
+    # an earlier ``raydag.persist``): never run, never owned by this compute.
+    external: dict[Key, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def annotation(self, name: str, key: Key, default: Any = None) -> Any:
+        return self.annotations.get(name, {}).get(key, default)
+
+    @classmethod
+    def from_dask(
+        cls,
+        dsk: Any,
+        keys: Any,
+        is_external: Callable[[Any], bool] = lambda value: False,
+    ) -> Graph:
+        annotations = _annotations(dsk)
+        if not isinstance(dsk, Mapping):
+            dsk = dsk.__dask_graph__()
+        tasks = convert_legacy_graph(dsk)
+        outputs = set(flatten(keys)) if isinstance(keys, list) else {keys}
+        tasks = _cull(tasks, outputs)
+        dependencies = {k: frozenset(t.dependencies) for k, t in tasks.items()}
+        dependents: dict[Key, set] = {k: set() for k in tasks}
+        for k, deps in dependencies.items():
+            for d in deps:
+                dependents[d].add(k)
+        _check_acyclic(dependencies, dependents)
+        external = {
+            k: t.value
+            for k, t in tasks.items()
+            if isinstance(t, DataNode) and is_external(t.value)
+        }
+        annotations = {
+            name: {k: v for k, v in values.items() if k in tasks}
+            for name, values in annotations.items()
+        }
+        return cls(
+            tasks=tasks,
+            dependencies=dependencies,
+            dependents=dependents,
+            outputs=outputs,
+            priorities=order(tasks, dependencies=dict(dependencies)),
+            annotations={name: v for name, v in annotations.items() if v},
+            external=external,
+        )
+
+
+def _cull(tasks: dict[Key, GraphNode], outputs: Iterable[Key]) -> dict[Key, GraphNode]:
+    """Keep what the outputs need; name the first key that is asked for but absent."""
+    culled: dict[Key, GraphNode] = {}
+    stack = []
+    for k in outputs:
+        if k not in tasks:
+            raise GraphError(f"Requested key {k!r} is not in the graph")
+        stack.append(k)
+    while stack:
+        k = stack.pop()
+        if k in culled:
+            continue
+        culled[k] = node = tasks[k]
+        for d in node.dependencies:
+            if d not in tasks:
+                raise GraphError(f"Task {k!r} depends on {d!r}, which is not in the graph")
+            if d not in culled:
+                stack.append(d)
+    return culled
+
+
+def _check_acyclic(dependencies: Mapping[Key, frozenset], dependents: Mapping[Key, set]) -> None:
+    missing = {k: len(d) for k, d in dependencies.items()}
+    stack = [k for k, n in missing.items() if n == 0]
+    seen = 0
+    while stack:
+        k = stack.pop()
+        seen += 1
+        for d in dependents[k]:
+            missing[d] -= 1
+            if missing[d] == 0:
+                stack.append(d)
+    if seen == len(dependencies):
+        return
+    # Walk dependencies among the unfinished keys until one repeats: that is a cycle.
+    key = next(k for k, n in missing.items() if n > 0)
+    path: list[Key] = []
+    on_path: dict[Key, int] = {}
+    while key not in on_path:
+        on_path[key] = len(path)
+        path.append(key)
+        key = next(d for d in dependencies[key] if missing[d] > 0)
+    cycle = path[on_path[key] :] + [key]
+    raise GraphError("Cycle in the graph: " + " -> ".join(map(repr, cycle)))
+
+
+def _annotations(dsk: Any) -> dict[str, dict[Key, Any]]:
+    """Per-key annotations from an expression, a HighLevelGraph, or nothing."""
+    if hasattr(dsk, "__dask_annotations__"):
+        try:
+            return dict(dsk.__dask_annotations__())
+        except TypeError:  # collections define it as a plain attribute on some versions
+            pass
+    result: dict[str, dict[Key, Any]] = {}
+    for layer in getattr(dsk, "layers", {}).values():
+        for name, value in (getattr(layer, "annotations", None) or {}).items():
+            result.setdefault(name, {}).update(
+                {k: value(k) if callable(value) else value for k in layer}
+            )
+    return result

@@ -1,0 +1,455 @@
+"""The scheduling core: a pure state machine over one compute's graph.
+
+Events in, instructions out, no I/O and no Ray, in the manner of
+``distributed.worker_state_machine``. The Ray layer (``raydag.runtime``) carries out
+the instructions and feeds back what happened. Keeping every decision here (what runs
+next, what may be freed, what to fuse, when to give up) lets it be tested on random
+graphs without a cluster, and lets each new capability be new events and instructions
+rather than a new loop.
+
+A key moves ``waiting -> ready -> processing -> memory -> released``. A key is
+released once every dependent has finished and it is not an output; a key fused into
+a group as a non-root member goes from ``processing`` straight to ``released``: its
+value only ever lived inside the Ray task that made and consumed it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dask.utils import key_split
+
+Key = Hashable
+
+WAITING = "waiting"
+READY = "ready"
+PROCESSING = "processing"
+MEMORY = "memory"
+RELEASED = "released"
+
+
+# ---- instructions (state machine -> Ray layer) ----------------------------------
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Run ``keys`` (topological order) as one Ray task; keep the last key's value."""
+
+    group: int
+    keys: tuple
+    inputs: tuple
+    priority: int
+    resources: Mapping[str, float] | None
+    attempt: int = 0
+
+    @property
+    def root(self) -> Key:
+        return self.keys[-1]
+
+
+@dataclass(frozen=True)
+class Release:
+    """Nothing needs this key's value any more: drop it."""
+
+    key: Key
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Stop this in-flight group; its result, if any arrives, is ignored."""
+
+    group: int
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The compute has failed: raise ``error``, raised by ``key``."""
+
+    key: Key
+    error: Any
+
+
+Instruction = Submit | Release | Cancel | Fail
+
+
+# ---- events (Ray layer -> state machine) ----------------------------------------
+
+
+@dataclass(frozen=True)
+class TaskFinished:
+    group: int
+    durations: Mapping[Key, float] = field(default_factory=dict)
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class TaskErred:
+    """``key`` of ``group`` raised ``error``; ``retryable`` when the process or node died."""
+
+    group: int
+    key: Key
+    error: Any
+    retryable: bool = False
+
+
+@dataclass(frozen=True)
+class CapacityChanged:
+    slots: float
+
+
+@dataclass(frozen=True)
+class Aborted:
+    """The driver gives up (Ctrl-C): cancel everything, release everything."""
+
+
+Event = TaskFinished | TaskErred | CapacityChanged | Aborted
+
+
+@dataclass
+class Group:
+    id: int
+    keys: tuple
+    members: frozenset
+    inputs: tuple
+    cost: float
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """When tasks are cheap enough to run several in one Ray task (see README)."""
+
+    enabled: bool = True
+    max_task_duration: float = 0.005
+    max_group_duration: float = 0.25
+    max_group_size: int = 256
+
+
+class State:
+    """What is waiting, ready, running, held and released, for one compute."""
+
+    def __init__(
+        self,
+        dependencies: Mapping[Key, Iterable[Key]],
+        priorities: Mapping[Key, int],
+        outputs: Iterable[Key],
+        *,
+        capacity: float,
+        available: Iterable[Key] = (),
+        resources: Mapping[Key, Mapping[str, float]] | None = None,
+        retries: Mapping[Key, int] | None = None,
+        default_retries: int = 3,
+        fusion: Fusion = Fusion(enabled=False),
+        category: Callable[[Key], str] = key_split,
+    ):
+        self.dependencies = {k: frozenset(v) for k, v in dependencies.items()}
+        self.dependents: dict[Key, set] = {k: set() for k in self.dependencies}
+        for k, deps in self.dependencies.items():
+            for d in deps:
+                self.dependents[d].add(k)
+        self.priorities = priorities
+        self.outputs = set(outputs)
+        self.capacity = capacity
+        self.resources = dict(resources or {})
+        self.retries = dict(retries or {})
+        self.default_retries = default_retries
+        self.fusion = fusion
+        self.category = category
+        self.available = set(available)
+
+        self.state: dict[Key, str] = {}
+        self.missing: dict[Key, int] = {}
+        self.waiters = {k: len(v) for k, v in self.dependents.items()}
+        self.ready: list[tuple[int, int, Key]] = []
+        self.groups: dict[int, Group] = {}
+        self.group_of: dict[Key, int] = {}
+        self.used = 0.0
+        self.failed: tuple[Key, Any] | None = None
+        self.aborted = False
+        # category -> [count, total seconds], learned from finished tasks
+        self.stats: dict[str, list] = {}
+        self._next_group = 0
+        self._seq = 0
+
+    @classmethod
+    def from_graph(cls, graph: Any, **kwargs: Any) -> State:
+        return cls(
+            graph.dependencies,
+            graph.priorities,
+            graph.outputs,
+            available=graph.external,
+            resources=graph.annotations.get("resources"),
+            retries=graph.annotations.get("retries"),
+            **kwargs,
+        )
+
+    # ---- public -----------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        if self.failed or self.aborted:
+            return True
+        return not self.groups and all(self.state[k] == MEMORY for k in self.outputs)
+
+    def start(self) -> list[Instruction]:
+        for k, deps in self.dependencies.items():
+            if k in self.available:
+                self.state[k] = MEMORY
+        for k, deps in self.dependencies.items():
+            if k in self.available:
+                continue
+            self.missing[k] = sum(self.state.get(d) != MEMORY for d in deps)
+            if self.missing[k]:
+                self.state[k] = WAITING
+            else:
+                self._make_ready(k)
+        out: list[Instruction] = []
+        for k in self.available:  # given values that nothing here reads
+            if self.waiters[k] == 0 and k not in self.outputs:
+                self._release(k, out)
+        self._fill(out)
+        return out
+
+    def handle(self, event: Event) -> list[Instruction]:
+        out: list[Instruction] = []
+        if isinstance(event, TaskFinished):
+            self._finished(event, out)
+        elif isinstance(event, TaskErred):
+            self._erred(event, out)
+        elif isinstance(event, CapacityChanged):
+            self.capacity = event.slots
+        elif isinstance(event, Aborted):
+            self.aborted = True
+            self._stop(out)
+        else:
+            raise TypeError(f"Unknown event {event!r}")
+        self._fill(out)
+        return out
+
+    def estimate(self, key: Key) -> float | None:
+        """Mean runtime of the key's category so far, ``None`` before the first one."""
+        s = self.stats.get(self.category(key))
+        return s[1] / s[0] if s else None
+
+    # ---- transitions ------------------------------------------------------------
+
+    def _make_ready(self, key: Key) -> None:
+        self.state[key] = READY
+        self._seq += 1
+        heapq.heappush(self.ready, (self.priorities[key], self._seq, key))
+
+    def _release(self, key: Key, out: list[Instruction]) -> None:
+        self.state[key] = RELEASED
+        out.append(Release(key))
+
+    def _finished(self, ev: TaskFinished, out: list[Instruction]) -> None:
+        group = self.groups.pop(ev.group, None)
+        if group is None:  # cancelled or superseded: its result is not ours to keep
+            return
+        self.used -= group.cost
+        root = group.keys[-1]
+        for m in group.keys:
+            del self.group_of[m]
+            if m in ev.durations:
+                s = self.stats.setdefault(self.category(m), [0, 0.0])
+                s[0] += 1
+                s[1] += ev.durations[m]
+            for dep in self.dependencies[m]:
+                if dep in group.members:
+                    continue
+                self.waiters[dep] -= 1
+                if self.waiters[dep] == 0 and dep not in self.outputs:
+                    self._release(dep, out)
+            if m != root:
+                self.waiters[m] = 0
+                self.state[m] = RELEASED
+        self.state[root] = MEMORY
+        for d in self.dependents[root]:
+            self.missing[d] -= 1
+            if self.missing[d] == 0:
+                self._make_ready(d)
+
+    def _erred(self, ev: TaskErred, out: list[Instruction]) -> None:
+        group = self.groups.get(ev.group)
+        if group is None:
+            return
+        annotated = max((self.retries.get(k, 0) for k in group.keys), default=0)
+        limit = max(annotated, self.default_retries) if ev.retryable else annotated
+        if group.attempt < limit:
+            group.attempt += 1
+            out.append(self._submit_instruction(group))
+            return
+        self.failed = (ev.key, ev.error)
+        del self.groups[ev.group]
+        self._stop(out)
+        out.append(Fail(ev.key, ev.error))
+
+    def _stop(self, out: list[Instruction]) -> None:
+        for gid in self.groups:
+            out.append(Cancel(gid))
+        self.groups.clear()
+        self.group_of.clear()
+        self.used = 0.0
+        self.ready.clear()
+        for k, s in self.state.items():
+            if s == MEMORY:
+                self._release(k, out)
+
+    # ---- choosing work ----------------------------------------------------------
+
+    def _fill(self, out: list[Instruction]) -> None:
+        if self.failed or self.aborted:
+            return
+        while self.ready:
+            _, _, key = self.ready[0]
+            if self.state[key] != READY:  # pulled into an earlier group
+                heapq.heappop(self.ready)
+                continue
+            cost = self._cost(key)
+            if self.used and self.used + cost > self.capacity:
+                return
+            heapq.heappop(self.ready)
+            keys = self._fuse(key)
+            members = frozenset(keys)
+            inputs = tuple(
+                {d: None for m in keys for d in self.dependencies[m] if d not in members}
+            )
+            group = Group(self._next_group, keys, members, inputs, cost)
+            self._next_group += 1
+            self.groups[group.id] = group
+            self.used += cost
+            for m in keys:
+                self.state[m] = PROCESSING
+                self.group_of[m] = group.id
+            out.append(self._submit_instruction(group))
+
+    def _submit_instruction(self, group: Group) -> Submit:
+        root = group.keys[-1]
+        return Submit(
+            group.id,
+            group.keys,
+            group.inputs,
+            self.priorities[root],
+            self.resources.get(root),
+            group.attempt,
+        )
+
+    def _cost(self, key: Key) -> float:
+        r = self.resources.get(key)
+        return float(r.get("CPU", 1)) if r else 1.0
+
+    def _cheap(self, key: Key) -> bool:
+        est = self.estimate(key)
+        return est is not None and est < self.fusion.max_task_duration
+
+    def _same_kind(self, a: Key, b: Key) -> bool:
+        return self.resources.get(a) == self.resources.get(b) and self.retries.get(
+            a
+        ) == self.retries.get(b)
+
+    def _fuse(self, key: Key) -> tuple:
+        """``key`` plus the cheap consumers it completes, and what else feeds only them.
+
+        Walk up from ``key`` while the current task's only dependent needs nothing
+        but the current task, values in memory, and cheap subtrees whose leaves are
+        ready and whose every value feeds only the next task up (a chain, or a
+        reduction tree over fresh inputs). Every member but the last has its one
+        consumer inside the group, so its value never leaves the Ray task.
+        """
+        f = self.fusion
+        if not f.enabled or not self._cheap(key):
+            return (key,)
+        keys = [key]
+        members = {key}
+        total = self.estimate(key) or 0.0
+        cur = key
+        while cur not in self.outputs and len(self.dependents[cur]) == 1:
+            (nxt,) = self.dependents[cur]
+            if self.state[nxt] != WAITING or not self._cheap(nxt) or not self._same_kind(key, nxt):
+                break
+            budget = f.max_group_size - len(keys) - 1
+            extra: list = []
+            for d in sorted(self.dependencies[nxt] - members, key=self.priorities.__getitem__):
+                if self.state[d] == MEMORY:
+                    continue
+                sub = self._exclusive_subtree(d, key, budget - len(extra))
+                if sub is None:
+                    return tuple(keys)
+                extra.extend(sub)
+            more = sum(self.estimate(d) or 0.0 for d in extra) + (self.estimate(nxt) or 0.0)
+            if total + more > f.max_group_duration:
+                break
+            keys.extend(extra)
+            keys.append(nxt)
+            members.update(extra)
+            members.add(nxt)
+            total += more
+            cur = nxt
+        return tuple(keys)
+
+    def _exclusive_subtree(self, key: Key, like: Key, budget: int) -> list | None:
+        """``key`` and its unfinished ancestors, topologically, if all can join a group.
+
+        They can when each is cheap, of the same kind as ``like``, no output, read by
+        nothing outside the subtree, and the subtree's leaves are ready.
+        """
+        if (
+            budget <= 0
+            or key in self.outputs
+            or len(self.dependents[key]) != 1
+            or not self._cheap(key)
+            or not self._same_kind(like, key)
+        ):
+            return None
+        if self.state[key] == READY:
+            return [key]
+        if self.state[key] != WAITING:
+            return None
+        keys: list = []
+        for d in sorted(self.dependencies[key], key=self.priorities.__getitem__):
+            if self.state[d] == MEMORY:
+                continue
+            sub = self._exclusive_subtree(d, like, budget - len(keys) - 1)
+            if sub is None:
+                return None
+            keys.extend(sub)
+        return keys + [key]
+
+    # ---- checks -----------------------------------------------------------------
+
+    def validate_state(self) -> None:
+        """Assert every invariant; cheap enough for tests after each event, not for runs."""
+        stopped = self.failed or self.aborted
+        finished = (MEMORY, RELEASED)
+        assert set(self.state) == set(self.dependencies)
+        in_heap = {k for _, _, k in self.ready if self.state[k] == READY}
+        if not stopped:
+            assert in_heap == {k for k, s in self.state.items() if s == READY}
+        for k, s in self.state.items():
+            deps, dependents = self.dependencies[k], self.dependents[k]
+            if s == READY:
+                assert all(self.state[d] == MEMORY for d in deps), k
+            elif s == WAITING:
+                assert self.missing[k] == sum(self.state[d] != MEMORY for d in deps) > 0, k
+                if not stopped:
+                    assert all(self.state[d] != RELEASED for d in deps), k
+            elif s == PROCESSING and not stopped:
+                g = self.groups[self.group_of[k]]
+                assert k in g.members
+                assert all(self.state[d] == MEMORY for d in g.inputs), (k, g)
+            elif s == MEMORY:
+                assert not stopped
+                pending = sum(self.state[d] not in finished for d in dependents)
+                assert self.waiters[k] == pending, (k, self.waiters[k], pending)
+                assert pending or k in self.outputs, k
+            elif s == RELEASED:
+                if not stopped:
+                    assert k not in self.outputs, k
+                    assert all(self.state[d] in finished for d in dependents), k
+            else:
+                raise AssertionError(f"{k!r} in unknown state {s!r}")
+        assert set(self.group_of) == {m for g in self.groups.values() for m in g.members}
+        assert abs(self.used - sum(g.cost for g in self.groups.values())) < 1e-9
