@@ -66,33 +66,36 @@ def ray_get(dsk: Any, keys: Any, callbacks: Any = None, **kwargs: Any) -> Any:
     structure of ``keys``; a task's exception is raised with its own type and traceback.
     """
     _warn_ignored(kwargs)
-    graph, refs = runtime.run(dsk, keys, callbacks=callbacks)
+    _, outputs = runtime.run(dsk, keys, callbacks=callbacks)
     try:
-        values = dict(zip(refs, runtime.ray.get(list(refs.values()))))
+        refs = [ref for ref, _ in outputs.values()]
+        values = dict(zip(outputs, runtime.ray.get(refs), strict=True))
     finally:
-        refs.clear()
+        outputs.clear()
     return runtime.nested(keys, values)
 
 
 get = ray_get
 
 
-def _refs_get(dsk: Any, keys: Any, **kwargs: Any) -> Any:
-    """Like ``ray_get`` but leaves results in Ray's object store as ObjectRefs."""
+def _persisted_get(dsk: Any, keys: Any, callbacks: Any = None, **kwargs: Any) -> Any:
+    """Like ``ray_get`` but leaves results in Ray's object store, with their lineage."""
     _warn_ignored(kwargs)
-    _, refs = runtime.run(dsk, keys, callbacks=kwargs.get("callbacks"))
-    return runtime.nested(keys, refs)
+    graph, outputs = runtime.run(dsk, keys, callbacks=callbacks)
+    values = {k: runtime.Persisted(k, ref, node, graph.tasks) for k, (ref, node) in outputs.items()}
+    return runtime.nested(keys, values)
 
 
 def persist(*args: Any, **kwargs: Any) -> Any:
     """``dask.persist`` whose results stay in Ray's object store.
 
-    The returned collections hold ObjectRefs in their graphs; computing them with
-    raydag reads those objects where they are, and dropping the collections frees them.
+    The returned collections hold ``Persisted`` ObjectRefs in their graphs; computing
+    them with raydag reads those objects where they are, recomputes any that a dead
+    node took with it, and dropping the collections frees them.
     Returns one collection for one argument, a tuple otherwise, as ``dask.persist``.
     """
     kwargs.pop("scheduler", None)
-    results = dask.persist(*args, scheduler=_refs_get, **kwargs)
+    results = dask.persist(*args, scheduler=_persisted_get, **kwargs)
     return results[0] if len(args) == 1 else results
 
 
@@ -107,5 +110,3 @@ def _warn_ignored(kwargs: dict[str, Any]) -> None:
             IgnoredArgumentsWarning,
             stacklevel=3,
         )
-
-

@@ -9,6 +9,7 @@ from it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,9 +33,12 @@ class Graph:
     outputs: set
     priorities: dict[Key, int]
     annotations: dict[str, dict[Key, Any]] = field(default_factory=dict)
-    # Keys whose values already exist outside this graph (for example ObjectRefs of
-    # an earlier ``raydag.persist``): never run, never owned by this compute.
+    # Keys whose values already exist outside this graph (ObjectRefs, or ``Persisted``
+    # results of an earlier ``raydag.persist``): not run unless lost, never owned here.
     external: dict[Key, Any] = field(default_factory=dict)
+    # Those external keys whose producing tasks are in ``tasks``, so they can be
+    # recomputed if their values are lost.
+    lineage: set = field(default_factory=set)
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -48,24 +52,46 @@ class Graph:
         dsk: Any,
         keys: Any,
         is_external: Callable[[Any], bool] = lambda value: False,
+        find_external: Callable[[Key], Any] = lambda key: None,
     ) -> Graph:
+        """``is_external`` tells given values (ObjectRefs) among the graph's data;
+        ``find_external`` finds a given value for a key the graph only refers to (a
+        persisted result, referenced as a ``TaskRef`` the way distributed's futures are).
+        A given value with a ``lineage`` mapping brings the tasks that made it.
+        """
         annotations = _annotations(dsk)
         if not isinstance(dsk, Mapping):
             dsk = dsk.__dask_graph__()
         tasks = convert_legacy_graph(dsk)
+        external = {
+            k: t.value for k, t in tasks.items() if isinstance(t, DataNode) and is_external(t.value)
+        }
+        lineage: set = set()
+        producers: dict[Key, GraphNode] = {}
+
+        @functools.cache
+        def resolve(key: Key) -> GraphNode | None:
+            value = find_external(key)
+            if value is None:
+                return producers.get(key)  # an ancestor of a given value
+            external[key] = value
+            made_by = getattr(value, "lineage", None) or {}
+            if key not in made_by:
+                return DataNode(key, value)
+            lineage.add(key)
+            producers.update(made_by)
+            return made_by[key]
+
         outputs = set(flatten(keys)) if isinstance(keys, list) else {keys}
-        tasks = _cull(tasks, outputs)
+        tasks = _cull(tasks, outputs, resolve)
         dependencies = {k: frozenset(t.dependencies) for k, t in tasks.items()}
         dependents: dict[Key, set] = {k: set() for k in tasks}
         for k, deps in dependencies.items():
             for d in deps:
                 dependents[d].add(k)
         _check_acyclic(dependencies, dependents)
-        external = {
-            k: t.value
-            for k, t in tasks.items()
-            if isinstance(t, DataNode) and is_external(t.value)
-        }
+        external = {k: v for k, v in external.items() if k in tasks}
+        lineage &= set(external)
         annotations = {
             name: {k: v for k, v in values.items() if k in tasks}
             for name, values in annotations.items()
@@ -78,27 +104,35 @@ class Graph:
             priorities=order(tasks, dependencies=dict(dependencies)),
             annotations={name: v for name, v in annotations.items() if v},
             external=external,
+            lineage=lineage,
         )
 
 
-def _cull(tasks: dict[Key, GraphNode], outputs: Iterable[Key]) -> dict[Key, GraphNode]:
-    """Keep what the outputs need; name the first key that is asked for but absent."""
+def _cull(
+    tasks: dict[Key, GraphNode],
+    outputs: Iterable[Key],
+    resolve: Callable[[Key], GraphNode | None],
+) -> dict[Key, GraphNode]:
+    """Keep what the outputs need; name the first key that is needed but absent."""
     culled: dict[Key, GraphNode] = {}
     stack = []
     for k in outputs:
-        if k not in tasks:
+        node = tasks[k] if k in tasks else resolve(k)
+        if node is None:
             raise GraphError(f"Requested key {k!r} is not in the graph")
-        stack.append(k)
+        stack.append((k, node))
     while stack:
-        k = stack.pop()
+        k, node = stack.pop()
         if k in culled:
             continue
-        culled[k] = node = tasks[k]
+        culled[k] = node
         for d in node.dependencies:
-            if d not in tasks:
+            if d in culled:
+                continue
+            dep = tasks[d] if d in tasks else resolve(d)
+            if dep is None:
                 raise GraphError(f"Task {k!r} depends on {d!r}, which is not in the graph")
-            if d not in culled:
-                stack.append(d)
+            stack.append((d, dep))
     return culled
 
 

@@ -11,12 +11,14 @@ import logging
 import os
 import pickle
 import time
+import weakref
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 import ray.exceptions as rex
+from dask._task_spec import TaskRef
 from dask.callbacks import local_callbacks, unpack_callbacks
 from dask.sizeof import sizeof
 
@@ -29,7 +31,9 @@ from raydag.state import (
     Fail,
     Fusion,
     Instruction,
+    Recover,
     Release,
+    ResultsLost,
     State,
     Submit,
     TaskErred,
@@ -39,15 +43,10 @@ from raydag.state import (
 logger = logging.getLogger(__name__)
 Key = Hashable
 
-# Ray errors after which the same task may well succeed: its process or node died.
-RETRYABLE = (
-    rex.WorkerCrashedError,
-    rex.NodeDiedError,
-    rex.LocalRayletDiedError,
-    rex.OutOfMemoryError,
-    rex.ObjectLostError,
-    rex.RaySystemError,
-)
+# How a Ray task can fail without the user's code raising, by what it means for raydag.
+NODE_DIED = (rex.NodeDiedError, rex.LocalRayletDiedError)  # retried, not counted
+WORKER_DIED = (rex.WorkerCrashedError, rex.OutOfMemoryError, rex.RaySystemError)  # counted
+INPUT_LOST = (rex.ObjectLostError, rex.ObjectFetchTimedOutError)  # recover the inputs
 
 
 # ---- the cluster ------------------------------------------------------------------
@@ -72,8 +71,15 @@ def connect() -> None:
     logger.info("started an embedded local Ray: %s", ray.cluster_resources())
 
 
-def cluster_cpus() -> float:
-    return float(ray.cluster_resources().get("CPU", 1.0))
+def alive_nodes() -> dict[str, float]:
+    """Alive node ids and their CPUs (``ray.nodes()`` costs about 0.3 ms)."""
+    return {n["NodeID"]: n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]}
+
+
+def slots(nodes: Mapping[str, float]) -> float:
+    """Ray tasks to keep in flight: sized from the cluster's CPUs."""
+    per_cpu = float(config.get("scheduling.in-flight-per-cpu"))
+    return max(1.0, round(sum(nodes.values()) * per_cpu))
 
 
 # ---- what runs on a worker ----------------------------------------------------------
@@ -93,7 +99,7 @@ class Outcome:
 
 def run_group(nodes: list, input_keys: tuple, *inputs: Any) -> tuple[Any, Outcome]:
     """Run fused dask tasks in order; return the last one's value and an Outcome."""
-    values = dict(zip(input_keys, inputs))
+    values = dict(zip(input_keys, inputs, strict=True))
     durations = []
     node = None
     try:
@@ -116,7 +122,9 @@ def _pack_exception(e: BaseException) -> bytes:
 
     tb = e.__traceback__.tb_next if e.__traceback__ else None  # drop run_group's frame
     try:
-        return pickle.dumps((e, Traceback(tb).as_dict() if tb else None))
+        blob = pickle.dumps((e, Traceback(tb).as_dict() if tb else None))
+        pickle.loads(blob)  # some pickle but cannot be rebuilt (e.g. required __init__ args)
+        return blob
     except Exception:
         plain = RuntimeError(f"{type(e).__name__}: {e} (the exception could not be pickled)")
         return pickle.dumps((plain, Traceback(tb).as_dict() if tb else None))
@@ -144,28 +152,67 @@ def _ray_options(resources: Mapping[str, float] | None) -> dict:
     return opts
 
 
+class Persisted(TaskRef):
+    """A result that ``raydag.persist`` keeps in Ray's object store.
+
+    It stands in a persisted collection's graph in place of the value. Being a
+    ``TaskRef`` (as distributed's ``Future`` is), dask's optimisations treat it as a
+    reference to its key rather than as data to inline. It carries the tasks that
+    made it, so a later compute can recompute it if its node dies, and it is updated
+    in place when that happens.
+    """
+
+    __slots__ = ("ref", "node", "lineage", "__weakref__")
+
+    def __init__(self, key: Key, ref: ray.ObjectRef, node: str | None, lineage: Mapping):
+        super().__init__(key)
+        self.ref = ref
+        self.node = node
+        self.lineage = lineage
+        _persisted[key] = self
+
+    def __repr__(self) -> str:
+        return f"Persisted({self.key!r}, {self.ref.hex()[:16]})"
+
+
+# Live persisted results by key: a later graph refers to them only by key.
+_persisted: weakref.WeakValueDictionary[Key, Persisted] = weakref.WeakValueDictionary()
+
+
+def _given_ref(value: Any) -> ray.ObjectRef:
+    return value.ref if isinstance(value, Persisted) else value
+
+
+def is_given(value: Any) -> bool:
+    return isinstance(value, Persisted | ray.ObjectRef)
+
+
 # ---- the driver loop ---------------------------------------------------------------
 
 
 class Runner:
     """One compute: feeds Ray completions to the state machine, carries out its answers."""
 
-    def __init__(self, graph: Graph, state: State, callbacks: Any = ()):
+    def __init__(self, graph: Graph, state: State, nodes: dict[str, float], callbacks: Any = ()):
         self.graph = graph
         self.state = state
-        self.values: dict[Key, ray.ObjectRef] = dict(graph.external)
+        # Refs this compute produced, and the node each value was made on. Values
+        # given from outside (graph.external) are read from the graph, never dropped.
+        self.values = {k: _given_ref(v) for k, v in graph.external.items()}
+        self.node_of = {k: v.node for k, v in graph.external.items() if isinstance(v, Persisted)}
+        self.nodes = nodes
         self.pending: dict[ray.ObjectRef, tuple[Submit, ray.ObjectRef]] = {}
         self.by_group: dict[int, ray.ObjectRef] = {}
         self.failure: Fail | None = None
         self.force_cancel = bool(config.get("cancel.force"))
-        self.poll = config.seconds("scheduling.resources-poll-interval")
+        self.poll = config.seconds("scheduling.cluster-poll-interval")
         self._options: dict[Any, Any] = {}
         self.callbacks = callbacks
         _, _, self.pretask, self.posttask, _ = unpack_callbacks(callbacks)
         self.dask_state = _dask_state(graph) if callbacks else None
 
-    def run(self) -> dict[Key, ray.ObjectRef]:
-        """Run to the end; return the outputs' refs (the caller owns them from here)."""
+    def run(self) -> dict[Key, tuple[ray.ObjectRef, str | None]]:
+        """Run to the end; return the outputs' refs and nodes (the caller owns them now)."""
         try:
             self._carry_out(self.state.start())
             last_poll = time.monotonic()
@@ -174,18 +221,23 @@ class Runner:
                     raise RuntimeError("raydag: nothing in flight but the graph is not done")
                 ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=self.poll)
                 if ready:
-                    ready, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=0)
+                    ready, _ = ray.wait(
+                        list(self.pending), num_returns=len(self.pending), timeout=0
+                    )
                     for ref in ready:
-                        self._carry_out(self.state.handle(self._event(ref)))
+                        if ref not in self.pending:  # cancelled while handling an earlier one
+                            continue
+                        for event in self._events(ref):
+                            self._carry_out(self.state.handle(event))
                         if self.state.done:
                             break
                 if time.monotonic() - last_poll > self.poll:
                     last_poll = time.monotonic()
-                    self._carry_out(self.state.handle(CapacityChanged(self._slots())))
+                    self._watch_cluster()
             if self.failure is not None:
                 exc = self.failure.error
                 raise exc.with_traceback(exc.__traceback__)
-            return {k: self.values[k] for k in self.graph.outputs}
+            return {k: (self._ref(k), self.node_of.get(k)) for k in self.graph.outputs}
         except BaseException:
             if not self.state.done:
                 self._carry_out(self.state.handle(Aborted()))
@@ -195,27 +247,75 @@ class Runner:
             self.pending.clear()
             self.by_group.clear()
 
-    def _slots(self) -> float:
-        per_cpu = float(config.get("scheduling.in-flight-per-cpu"))
-        return max(1.0, round(cluster_cpus() * per_cpu))
+    def _ref(self, key: Key) -> ray.ObjectRef:
+        ref = self.values.get(key)
+        return _given_ref(self.graph.external[key]) if ref is None else ref
 
-    def _event(self, meta_ref: ray.ObjectRef) -> TaskErred | TaskFinished:
+    def _watch_cluster(self) -> None:
+        """Tell the state machine of lost nodes' values and of a changed CPU count."""
+        nodes = alive_nodes()
+        dead = set(self.nodes) - set(nodes)
+        changed = nodes != self.nodes
+        self.nodes = nodes
+        if dead:
+            for node in dead:
+                logger.warning("raydag: node %s died", node[:12])
+            lost = self._lost([k for k, n in self.node_of.items() if n in dead])
+            reason = "node died: " + ", ".join(sorted(n[:12] for n in dead))
+            self._carry_out(self.state.handle(ResultsLost(tuple(lost), reason)))
+        if changed:
+            self._carry_out(self.state.handle(CapacityChanged(slots(nodes))))
+
+    def _lost(self, keys: list) -> list:
+        """Those of ``keys`` whose value has no copy left on an alive node."""
+        keys = [k for k in keys if k in self.values]
+        if not keys:
+            return []
+        refs = [self.values[k] for k in keys]
+        try:
+            where = ray.experimental.get_object_locations(refs, timeout_ms=2000)
+        except Exception:  # the owner cannot say: assume the worst
+            return keys
+        alive = self.nodes
+        return [
+            k
+            for k, ref in zip(keys, refs, strict=True)
+            if not any(n in alive for n in where.get(ref, {}).get("node_ids", ()))
+        ]
+
+    def _events(self, meta_ref: ray.ObjectRef) -> list:
+        """What one finished Ray task means, as state machine events."""
         sub, value_ref = self.pending.pop(meta_ref)
         del self.by_group[sub.group]
         try:
             outcome: Outcome = ray.get(meta_ref)
-        except RETRYABLE as e:
-            logger.warning("task %r lost its worker (%s); may retry", sub.root, type(e).__name__)
-            return TaskErred(sub.group, sub.root, e, retryable=True)
+        except NODE_DIED as e:
+            logger.warning("raydag: the node running %r died; retrying it", sub.root)
+            self._watch_cluster()
+            return [TaskErred(sub.group, sub.root, e, node_lost=True)]
+        except WORKER_DIED as e:
+            logger.warning("raydag: %r lost its worker process (%s)", sub.root, type(e).__name__)
+            return [TaskErred(sub.group, sub.root, e, retryable=True)]
+        except INPUT_LOST as e:
+            logger.warning("raydag: an input of %r is lost (%s)", sub.root, type(e).__name__)
+            self._watch_cluster()
+            lost = self._lost(list(sub.inputs))
+            events: list = [ResultsLost(tuple(lost), f"input of {sub.root!r} lost")] if lost else []
+            return [*events, TaskErred(sub.group, sub.root, e, node_lost=True)]
         except rex.RayTaskError as e:  # failed outside the user's code (e.g. arguments)
             cause = e.cause if isinstance(e.cause, BaseException) else e
-            return TaskErred(sub.group, sub.root, cause, retryable=False)
+            return [TaskErred(sub.group, sub.root, cause)]
         if outcome.error is not None:
-            return TaskErred(sub.group, outcome.error_key, _unpack_exception(outcome.error))
+            return [TaskErred(sub.group, outcome.error_key, _unpack_exception(outcome.error))]
         self.values[sub.root] = value_ref
+        self.node_of[sub.root] = outcome.node
+        given = self.graph.external.get(sub.root)
+        if isinstance(given, Persisted):  # recomputed after a loss: heal the collection
+            given.ref, given.node = value_ref, outcome.node
         if self.dask_state is not None:
             self._posttask(sub, outcome)
-        return TaskFinished(sub.group, dict(zip(sub.keys, outcome.durations)), outcome.nbytes)
+        durations = dict(zip(sub.keys, outcome.durations, strict=True))
+        return [TaskFinished(sub.group, durations, outcome.nbytes, outcome.node)]
 
     def _carry_out(self, instructions: list[Instruction]) -> None:
         for ins in instructions:
@@ -223,6 +323,7 @@ class Runner:
                 self._submit(ins)
             elif isinstance(ins, Release):
                 self.values.pop(ins.key, None)
+                self.node_of.pop(ins.key, None)
                 if self.dask_state is not None:
                     self.dask_state["released"].add(ins.key)
             elif isinstance(ins, Cancel):
@@ -232,14 +333,25 @@ class Runner:
                     ray.cancel(value_ref, force=self.force_cancel)
             elif isinstance(ins, Fail):
                 self.failure = ins
+            elif isinstance(ins, Recover):
+                for k in ins.recompute:
+                    self.values.pop(k, None)
+                    self.node_of.pop(k, None)
+                logger.warning(
+                    "raydag: recovery wave %d: %d lost results, %d tasks to recompute (%s)",
+                    ins.wave,
+                    len(ins.lost),
+                    len(ins.recompute),
+                    ins.reason,
+                )
 
     def _submit(self, sub: Submit) -> None:
-        fn = self._options.get(sub.resources and tuple(sorted(sub.resources.items())))
+        spec = tuple(sorted(sub.resources.items())) if sub.resources else None
+        fn = self._options.get(spec)
         if fn is None:
-            fn = _remote.options(**_ray_options(sub.resources)) if sub.resources else _remote
-            self._options[sub.resources and tuple(sorted(sub.resources.items()))] = fn
+            fn = self._options[spec] = _remote.options(**_ray_options(sub.resources))
         nodes = [self.graph.tasks[k] for k in sub.keys]
-        value_ref, meta_ref = fn.remote(nodes, sub.inputs, *[self.values[k] for k in sub.inputs])
+        value_ref, meta_ref = fn.remote(nodes, sub.inputs, *[self._ref(k) for k in sub.inputs])
         self.pending[meta_ref] = (sub, value_ref)
         self.by_group[sub.group] = meta_ref
         if self.dask_state is not None:
@@ -285,21 +397,24 @@ def fusion_settings() -> Fusion:
     )
 
 
-def run(dsk: Any, keys: Any, callbacks: Any = None) -> tuple[Graph, dict[Key, ray.ObjectRef]]:
-    """Build the graph, run it on Ray, return the outputs' refs."""
-    graph = Graph.from_dask(dsk, keys, is_external=lambda v: isinstance(v, ray.ObjectRef))
+def run(
+    dsk: Any, keys: Any, callbacks: Any = None
+) -> tuple[Graph, dict[Key, tuple[ray.ObjectRef, str | None]]]:
+    """Build the graph, run it on Ray, return the outputs' refs and nodes."""
+    graph = Graph.from_dask(dsk, keys, is_external=is_given, find_external=_persisted.get)
     connect()
-    per_cpu = float(config.get("scheduling.in-flight-per-cpu"))
+    nodes = alive_nodes()
     state = State.from_graph(
         graph,
-        capacity=max(1.0, round(cluster_cpus() * per_cpu)),
+        capacity=slots(nodes),
         default_retries=int(config.get("retries")),
         fusion=fusion_settings(),
+        cheap_cost=float(config.get("scheduling.cheap-task-cost")),
     )
     with local_callbacks(callbacks) as cbs:
         started = []
         failed = True
-        runner = Runner(graph, state, cbs)
+        runner = Runner(graph, state, nodes, cbs)
         try:
             for cb in cbs:
                 if cb[0]:
@@ -321,4 +436,3 @@ def nested(keys: Any, values: Mapping[Key, Any]) -> Any:
     if isinstance(keys, list):
         return [nested(k, values) for k in keys]
     return values[keys]
-

@@ -72,7 +72,21 @@ class Fail:
     error: Any
 
 
-Instruction = Submit | Release | Cancel | Fail
+@dataclass(frozen=True)
+class Recover:
+    """One recovery wave: ``lost`` results are recomputed, with ``recompute``, at once.
+
+    Nothing for the Ray layer to do (the Submits follow); it is there to be logged
+    and recorded.
+    """
+
+    wave: int
+    lost: tuple
+    recompute: tuple
+    reason: str = ""
+
+
+Instruction = Submit | Release | Cancel | Fail | Recover
 
 
 # ---- events (Ray layer -> state machine) ----------------------------------------
@@ -83,16 +97,23 @@ class TaskFinished:
     group: int
     durations: Mapping[Key, float] = field(default_factory=dict)
     nbytes: int = 0
+    node: str | None = None  # where the value now lives
 
 
 @dataclass(frozen=True)
 class TaskErred:
-    """``key`` of ``group`` raised ``error``; ``retryable`` when the process or node died."""
+    """``key`` of ``group`` raised ``error``.
+
+    ``retryable`` when the worker process died under it (counted against the task's
+    retries); ``node_lost`` when its node died, which is no fault of the task's and
+    is retried without counting.
+    """
 
     group: int
     key: Key
     error: Any
     retryable: bool = False
+    node_lost: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,7 +126,15 @@ class Aborted:
     """The driver gives up (Ctrl-C): cancel everything, release everything."""
 
 
-Event = TaskFinished | TaskErred | CapacityChanged | Aborted
+@dataclass(frozen=True)
+class ResultsLost:
+    """These keys' values are gone (their node died and no copy survives)."""
+
+    keys: tuple
+    reason: str = ""
+
+
+Event = TaskFinished | TaskErred | CapacityChanged | Aborted | ResultsLost
 
 
 @dataclass
@@ -144,6 +173,8 @@ class State:
         default_retries: int = 3,
         fusion: Fusion = Fusion(enabled=False),
         category: Callable[[Key], str] = key_split,
+        cheap_cost: float = 1.0,
+        fixed: Iterable[Key] = (),
     ):
         self.dependencies = {k: frozenset(v) for k, v in dependencies.items()}
         self.dependents: dict[Key, set] = {k: set() for k in self.dependencies}
@@ -158,12 +189,21 @@ class State:
         self.default_retries = default_retries
         self.fusion = fusion
         self.category = category
+        # A task measured to run shorter than fusion's max-task-duration takes this
+        # fraction of a slot: more of them in flight hide Ray's round trip.
+        self.cheap_cost = cheap_cost
         self.available = set(available)
+        # given values that nothing here can recompute (no lineage in the graph)
+        self.fixed = set(fixed)
 
         self.state: dict[Key, str] = {}
         self.missing: dict[Key, int] = {}
         self.waiters = {k: len(v) for k, v in self.dependents.items()}
-        self.ready: list[tuple[int, int, Key]] = []
+        # (tier, priority, seq, key): tier 0 is recovery, ahead of everything else
+        self.ready: list[tuple[int, int, int, Key]] = []
+        self.recovering: set = set()
+        self.wave = 0
+        self.where: dict[Key, str | None] = {}  # node holding each value in memory
         self.groups: dict[int, Group] = {}
         self.group_of: dict[Key, int] = {}
         self.used = 0.0
@@ -181,6 +221,7 @@ class State:
             graph.priorities,
             graph.outputs,
             available=graph.external,
+            fixed=set(graph.external) - graph.lineage,
             resources=graph.annotations.get("resources"),
             retries=graph.annotations.get("retries"),
             **kwargs,
@@ -195,17 +236,31 @@ class State:
         return not self.groups and all(self.state[k] == MEMORY for k in self.outputs)
 
     def start(self) -> list[Instruction]:
-        for k, deps in self.dependencies.items():
+        # What the outputs need, stopping at given values. The rest (the lineage of
+        # given values) starts released: it runs only if a given value is lost.
+        needed: set = set()
+        stack = list(self.outputs)
+        while stack:
+            k = stack.pop()
+            if k not in needed:
+                needed.add(k)
+                if k not in self.available:
+                    stack.extend(self.dependencies[k])
+        for k in self.dependencies:
             if k in self.available:
                 self.state[k] = MEMORY
+            elif k not in needed:
+                self.state[k] = RELEASED
         for k, deps in self.dependencies.items():
-            if k in self.available:
+            if k in self.state:
                 continue
             self.missing[k] = sum(self.state.get(d) != MEMORY for d in deps)
             if self.missing[k]:
                 self.state[k] = WAITING
             else:
                 self._make_ready(k)
+        for k, dependents in self.dependents.items():
+            self.waiters[k] = sum(self.state[d] not in (MEMORY, RELEASED) for d in dependents)
         out: list[Instruction] = []
         for k in self.available:  # given values that nothing here reads
             if self.waiters[k] == 0 and k not in self.outputs:
@@ -224,6 +279,8 @@ class State:
         elif isinstance(event, Aborted):
             self.aborted = True
             self._stop(out)
+        elif isinstance(event, ResultsLost):
+            self._lost(event, out)
         else:
             raise TypeError(f"Unknown event {event!r}")
         self._fill(out)
@@ -239,7 +296,8 @@ class State:
     def _make_ready(self, key: Key) -> None:
         self.state[key] = READY
         self._seq += 1
-        heapq.heappush(self.ready, (self.priorities[key], self._seq, key))
+        tier = 0 if key in self.recovering else 1
+        heapq.heappush(self.ready, (tier, self.priorities[key], self._seq, key))
 
     def _release(self, key: Key, out: list[Instruction]) -> None:
         self.state[key] = RELEASED
@@ -266,7 +324,9 @@ class State:
             if m != root:
                 self.waiters[m] = 0
                 self.state[m] = RELEASED
+            self.recovering.discard(m)
         self.state[root] = MEMORY
+        self.where[root] = ev.node
         for d in self.dependents[root]:
             self.missing[d] -= 1
             if self.missing[d] == 0:
@@ -275,6 +335,9 @@ class State:
     def _erred(self, ev: TaskErred, out: list[Instruction]) -> None:
         group = self.groups.get(ev.group)
         if group is None:
+            return
+        if ev.node_lost:
+            out.append(self._submit_instruction(group))
             return
         annotated = max((self.retries.get(k, 0) for k in group.keys), default=0)
         limit = max(annotated, self.default_retries) if ev.retryable else annotated
@@ -286,6 +349,75 @@ class State:
         del self.groups[ev.group]
         self._stop(out)
         out.append(Fail(ev.key, ev.error))
+
+    def _lost(self, ev: ResultsLost, out: list[Instruction]) -> None:
+        """Recompute, in one wave, every lost value still needed and what it needs.
+
+        A value in memory is needed by definition (it is released once nothing
+        needs it), so every lost one is recomputed; so are the released inputs of
+        those recomputations, transitively, and nothing else. Groups in flight that
+        read a lost value cannot finish: they are cancelled and wait again.
+        """
+        lost = [k for k in ev.keys if self.state.get(k) == MEMORY]
+        if not lost:
+            return
+        given = [k for k in lost if k in self.fixed]
+        if given:
+            err = RuntimeError(
+                f"{given[0]!r} was given to this compute (persisted earlier) and is lost: "
+                f"{ev.reason or 'its node died'}; raydag holds no lineage for it"
+            )
+            self.failed = (given[0], err)
+            self._stop(out)
+            out.append(Fail(given[0], err))
+            return
+        lost_set = set(lost)
+        reset: list = []
+        for gid, g in list(self.groups.items()):
+            if lost_set.intersection(g.inputs):
+                out.append(Cancel(gid))
+                del self.groups[gid]
+                self.used -= g.cost
+                for m in g.keys:
+                    del self.group_of[m]
+                    self.state[m] = WAITING
+                reset.extend(g.keys)
+        recompute: list = []
+        seen: set = set()
+        stack = list(lost)
+        while stack:
+            k = stack.pop()
+            if k in seen:
+                continue
+            seen.add(k)
+            recompute.append(k)
+            for d in self.dependencies[k]:
+                if d in self.available and self.state[d] == RELEASED:
+                    self.state[d] = MEMORY  # the given value is still held by its owner
+                elif self.state[d] == RELEASED or d in lost_set:
+                    stack.append(d)
+        for k in recompute:
+            self.state[k] = WAITING
+            self.where.pop(k, None)
+        self.recovering.update(recompute)
+        self.wave += 1
+        out.append(Recover(self.wave, tuple(lost), tuple(recompute), ev.reason))
+        # Recount what changed: who waits on what, and who is ready now.
+        touched = set(recompute) | set(reset)
+        for k in lost:
+            touched.update(self.dependents[k])
+        for k in touched:
+            if self.state[k] not in (WAITING, READY):
+                continue
+            self.missing[k] = sum(self.state[d] != MEMORY for d in self.dependencies[k])
+            if self.missing[k] == 0 and self.state[k] == WAITING:
+                self._make_ready(k)
+            elif self.missing[k] and self.state[k] == READY:
+                self.state[k] = WAITING
+        for k in {d for r in touched for d in self.dependencies[r]} | set(recompute):
+            self.waiters[k] = sum(
+                self.state[d] not in (MEMORY, RELEASED) for d in self.dependents[k]
+            )
 
     def _stop(self, out: list[Instruction]) -> None:
         for gid in self.groups:
@@ -304,15 +436,17 @@ class State:
         if self.failed or self.aborted:
             return
         while self.ready:
-            _, _, key = self.ready[0]
-            if self.state[key] != READY:  # pulled into an earlier group
+            key = self.ready[0][-1]
+            if self.state[key] != READY:  # pulled into an earlier group, or lost an input
                 heapq.heappop(self.ready)
                 continue
-            cost = self._cost(key)
+            cost = self._cost(key, self.estimate(key))
             if self.used and self.used + cost > self.capacity:
                 return
             heapq.heappop(self.ready)
             keys = self._fuse(key)
+            if len(keys) > 1:
+                cost = self._cost(key, sum(self.estimate(k) or 0.0 for k in keys))
             members = frozenset(keys)
             inputs = tuple(
                 {d: None for m in keys for d in self.dependencies[m] if d not in members}
@@ -337,9 +471,12 @@ class State:
             group.attempt,
         )
 
-    def _cost(self, key: Key) -> float:
+    def _cost(self, key: Key, estimate: float | None) -> float:
         r = self.resources.get(key)
-        return float(r.get("CPU", 1)) if r else 1.0
+        cpus = float(r.get("CPU", 1)) if r else 1.0
+        if estimate is not None and estimate < self.fusion.max_task_duration:
+            return cpus * self.cheap_cost
+        return cpus
 
     def _cheap(self, key: Key) -> bool:
         est = self.estimate(key)
@@ -371,6 +508,8 @@ class State:
             if self.state[nxt] != WAITING or not self._cheap(nxt) or not self._same_kind(key, nxt):
                 break
             budget = f.max_group_size - len(keys) - 1
+            if budget < 0:  # no room for ``nxt`` itself
+                break
             extra: list = []
             for d in sorted(self.dependencies[nxt] - members, key=self.priorities.__getitem__):
                 if self.state[d] == MEMORY:
@@ -425,21 +564,22 @@ class State:
         stopped = self.failed or self.aborted
         finished = (MEMORY, RELEASED)
         assert set(self.state) == set(self.dependencies)
-        in_heap = {k for _, _, k in self.ready if self.state[k] == READY}
+        in_heap = {e[-1] for e in self.ready if self.state[e[-1]] == READY}
         if not stopped:
             assert in_heap == {k for k, s in self.state.items() if s == READY}
         for k, s in self.state.items():
             deps, dependents = self.dependencies[k], self.dependents[k]
             if s == READY:
-                assert all(self.state[d] == MEMORY for d in deps), k
+                assert stopped or all(self.state[d] == MEMORY for d in deps), k
             elif s == WAITING:
-                assert self.missing[k] == sum(self.state[d] != MEMORY for d in deps) > 0, k
                 if not stopped:
+                    assert self.missing[k] == sum(self.state[d] != MEMORY for d in deps) > 0, k
                     assert all(self.state[d] != RELEASED for d in deps), k
-            elif s == PROCESSING and not stopped:
-                g = self.groups[self.group_of[k]]
-                assert k in g.members
-                assert all(self.state[d] == MEMORY for d in g.inputs), (k, g)
+            elif s == PROCESSING:
+                if not stopped:
+                    g = self.groups[self.group_of[k]]
+                    assert k in g.members
+                    assert all(self.state[d] == MEMORY for d in g.inputs), (k, g)
             elif s == MEMORY:
                 assert not stopped
                 pending = sum(self.state[d] not in finished for d in dependents)
