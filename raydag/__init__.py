@@ -5,6 +5,17 @@ from __future__ import annotations
 from raydag import config as _config  # noqa: F401  (registers raydag.* defaults)
 from raydag.api import get, persist, ray_get
 from raydag.graph import GraphError
+from raydag.record import last_run
+from raydag.report import performance_report
+from raydag.state import WorkerDiedError
 
-__all__ = ["GraphError", "get", "persist", "ray_get"]
+__all__ = [
+    "GraphError",
+    "WorkerDiedError",
+    "get",
+    "last_run",
+    "performance_report",
+    "persist",
+    "ray_get",
+]
 __version__ = "0.1.0"

@@ -7,12 +7,14 @@ retries and failure all come from ``raydag.state``.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import pickle
 import time
 import weakref
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,12 +24,13 @@ from dask._task_spec import TaskRef
 from dask.callbacks import local_callbacks, unpack_callbacks
 from dask.sizeof import sizeof
 
-from raydag import config
+from raydag import config, progress, record
 from raydag.graph import Graph
 from raydag.state import (
     Aborted,
     Cancel,
     CapacityChanged,
+    Event,
     Fail,
     Fusion,
     Instruction,
@@ -39,6 +42,7 @@ from raydag.state import (
     TaskErred,
     TaskFinished,
 )
+from raydag.stores import StoreSampler
 
 logger = logging.getLogger(__name__)
 Key = Hashable
@@ -93,12 +97,14 @@ class Outcome:
     nbytes: int = 0
     node: str = ""
     pid: int = 0
+    started: float = 0.0
     error: bytes | None = None
     error_key: Any = None
 
 
 def run_group(nodes: list, input_keys: tuple, *inputs: Any) -> tuple[Any, Outcome]:
     """Run fused dask tasks in order; return the last one's value and an Outcome."""
+    started = time.time()
     values = dict(zip(input_keys, inputs, strict=True))
     durations = []
     node = None
@@ -111,9 +117,11 @@ def run_group(nodes: list, input_keys: tuple, *inputs: Any) -> tuple[Any, Outcom
         return None, Outcome(durations, error=_pack_exception(e), error_key=node.key)
     result = values[nodes[-1].key]
     ctx = ray.get_runtime_context()
-    return result, Outcome(durations, sizeof(result), ctx.get_node_id(), os.getpid())
+    return result, Outcome(durations, sizeof(result), ctx.get_node_id(), os.getpid(), started)
 
 
+# raydag retries and recovers tasks itself, from its own lineage (see the README):
+# Ray's retries would re-run lost work one object at a time, behind raydag's back.
 _remote = ray.remote(num_returns=2, max_retries=0)(run_group)
 
 
@@ -169,14 +177,31 @@ class Persisted(TaskRef):
         self.ref = ref
         self.node = node
         self.lineage = lineage
-        _persisted[key] = self
+        _persisted.setdefault(key, []).append(weakref.ref(self, functools.partial(_forget, key)))
 
     def __repr__(self) -> str:
         return f"Persisted({self.key!r}, {self.ref.hex()[:16]})"
 
 
-# Live persisted results by key: a later graph refers to them only by key.
-_persisted: weakref.WeakValueDictionary[Key, Persisted] = weakref.WeakValueDictionary()
+# Live persisted results by key: a later graph refers to them only by key. A key has
+# several when a collection was persisted more than once; any live one will do.
+_persisted: dict[Key, list[weakref.ref]] = {}
+
+
+def _forget(key: Key, dead: weakref.ref) -> None:
+    refs = _persisted.get(key)
+    if refs is not None:
+        refs[:] = [r for r in refs if r is not dead and r() is not None]
+        if not refs:
+            _persisted.pop(key, None)
+
+
+def find_persisted(key: Key) -> Persisted | None:
+    for r in _persisted.get(key, ()):
+        p = r()
+        if p is not None:
+            return p
+    return None
 
 
 def _given_ref(value: Any) -> ray.ObjectRef:
@@ -193,9 +218,19 @@ def is_given(value: Any) -> bool:
 class Runner:
     """One compute: feeds Ray completions to the state machine, carries out its answers."""
 
-    def __init__(self, graph: Graph, state: State, nodes: dict[str, float], callbacks: Any = ()):
+    def __init__(
+        self,
+        graph: Graph,
+        state: State,
+        nodes: dict[str, float],
+        callbacks: Any = (),
+        observers: Sequence[Callable[[Event | None, list[Instruction]], None]] = (),
+    ):
         self.graph = graph
         self.state = state
+        # Called with every event (None for the start) and the instructions it gave:
+        # the state machine's transcript, for the run record and progress displays.
+        self.observers = list(observers)
         # Refs this compute produced, and the node each value was made on. Values
         # given from outside (graph.external) are read from the graph, never dropped.
         self.values = {k: _given_ref(v) for k, v in graph.external.items()}
@@ -206,6 +241,9 @@ class Runner:
         self.failure: Fail | None = None
         self.force_cancel = bool(config.get("cancel.force"))
         self.poll = config.seconds("scheduling.cluster-poll-interval")
+        # Let Ray reconstruct lost objects first and step in when it gives up.
+        self.ray_first = bool(config.get("recovery.ray-first"))
+        self.ray_retries = int(config.get("retries"))
         self._options: dict[Any, Any] = {}
         self.callbacks = callbacks
         _, _, self.pretask, self.posttask, _ = unpack_callbacks(callbacks)
@@ -214,7 +252,7 @@ class Runner:
     def run(self) -> dict[Key, tuple[ray.ObjectRef, str | None]]:
         """Run to the end; return the outputs' refs and nodes (the caller owns them now)."""
         try:
-            self._carry_out(self.state.start())
+            self._step(None)
             last_poll = time.monotonic()
             while not self.state.done:
                 if not self.pending:
@@ -228,7 +266,7 @@ class Runner:
                         if ref not in self.pending:  # cancelled while handling an earlier one
                             continue
                         for event in self._events(ref):
-                            self._carry_out(self.state.handle(event))
+                            self._step(event)
                         if self.state.done:
                             break
                 if time.monotonic() - last_poll > self.poll:
@@ -240,7 +278,7 @@ class Runner:
             return {k: (self._ref(k), self.node_of.get(k)) for k in self.graph.outputs}
         except BaseException:
             if not self.state.done:
-                self._carry_out(self.state.handle(Aborted()))
+                self._step(Aborted())
             raise
         finally:
             self.values.clear()
@@ -260,11 +298,12 @@ class Runner:
         if dead:
             for node in dead:
                 logger.warning("raydag: node %s died", node[:12])
+        if dead and not self.ray_first:
             lost = self._lost([k for k, n in self.node_of.items() if n in dead])
             reason = "node died: " + ", ".join(sorted(n[:12] for n in dead))
-            self._carry_out(self.state.handle(ResultsLost(tuple(lost), reason)))
+            self._step(ResultsLost(tuple(lost), reason))
         if changed:
-            self._carry_out(self.state.handle(CapacityChanged(slots(nodes))))
+            self._step(CapacityChanged(slots(nodes)))
 
     def _lost(self, keys: list) -> list:
         """Those of ``keys`` whose value has no copy left on an alive node."""
@@ -276,7 +315,9 @@ class Runner:
             where = ray.experimental.get_object_locations(refs, timeout_ms=2000)
         except Exception:  # the owner cannot say: assume the worst
             return keys
-        alive = self.nodes
+        # Ray stores the error of an object it cannot recover on its owner's node, and
+        # lists that node as the object's location: a copy there proves nothing.
+        alive = set(self.nodes) - {ray.get_runtime_context().get_node_id()}
         return [
             k
             for k, ref in zip(keys, refs, strict=True)
@@ -294,6 +335,9 @@ class Runner:
             self._watch_cluster()
             return [TaskErred(sub.group, sub.root, e, node_lost=True)]
         except WORKER_DIED as e:
+            if isinstance(e, rex.RayTaskError):  # e.g. RaySystemError: cannot unpickle the
+                cause = e.cause if isinstance(e.cause, BaseException) else e  # task: no retry
+                return [TaskErred(sub.group, sub.root, cause)]
             logger.warning("raydag: %r lost its worker process (%s)", sub.root, type(e).__name__)
             return [TaskErred(sub.group, sub.root, e, retryable=True)]
         except INPUT_LOST as e:
@@ -315,7 +359,23 @@ class Runner:
         if self.dask_state is not None:
             self._posttask(sub, outcome)
         durations = dict(zip(sub.keys, outcome.durations, strict=True))
-        return [TaskFinished(sub.group, durations, outcome.nbytes, outcome.node)]
+        return [
+            TaskFinished(
+                sub.group,
+                durations,
+                outcome.nbytes,
+                outcome.node,
+                outcome.started,
+                outcome.pid,
+            )
+        ]
+
+    def _step(self, event: Event | None) -> None:
+        """One transition: the event in (``None`` to start), its instructions out."""
+        instructions = self.state.start() if event is None else self.state.handle(event)
+        for observe in self.observers:
+            observe(event, instructions)
+        self._carry_out(instructions)
 
     def _carry_out(self, instructions: list[Instruction]) -> None:
         for ins in instructions:
@@ -349,7 +409,10 @@ class Runner:
         spec = tuple(sorted(sub.resources.items())) if sub.resources else None
         fn = self._options.get(spec)
         if fn is None:
-            fn = self._options[spec] = _remote.options(**_ray_options(sub.resources))
+            opts = _ray_options(sub.resources)
+            if self.ray_first:
+                opts["max_retries"] = self.ray_retries
+            fn = self._options[spec] = _remote.options(**opts)
         nodes = [self.graph.tasks[k] for k in sub.keys]
         value_ref, meta_ref = fn.remote(nodes, sub.inputs, *[self._ref(k) for k in sub.inputs])
         self.pending[meta_ref] = (sub, value_ref)
@@ -401,7 +464,7 @@ def run(
     dsk: Any, keys: Any, callbacks: Any = None
 ) -> tuple[Graph, dict[Key, tuple[ray.ObjectRef, str | None]]]:
     """Build the graph, run it on Ray, return the outputs' refs and nodes."""
-    graph = Graph.from_dask(dsk, keys, is_external=is_given, find_external=_persisted.get)
+    graph = Graph.from_dask(dsk, keys, is_external=is_given, find_external=find_persisted)
     connect()
     nodes = alive_nodes()
     state = State.from_graph(
@@ -411,10 +474,10 @@ def run(
         fusion=fusion_settings(),
         cheap_cost=float(config.get("scheduling.cheap-task-cost")),
     )
-    with local_callbacks(callbacks) as cbs:
+    with local_callbacks(callbacks) as cbs, _watching(graph, state, nodes, cbs) as observers:
         started = []
         failed = True
-        runner = Runner(graph, state, nodes, cbs)
+        runner = Runner(graph, state, nodes, cbs, observers)
         try:
             for cb in cbs:
                 if cb[0]:
@@ -430,6 +493,44 @@ def run(
             for cb in started:
                 if cb[4]:
                     cb[4](graph.tasks, runner.dask_state or {}, failed)
+
+
+@contextlib.contextmanager
+def _watching(
+    graph: Graph, state: State, nodes: dict[str, float], callbacks: Any
+) -> Iterator[list[Callable[[Event | None, list[Instruction]], None]]]:
+    """The compute's observers: its run record and progress display, and the
+    object-store sampler whose rounds they show (only when written or displayed)."""
+    keep, sample = record.wanted(len(graph))
+    recorder = record.Recorder(graph, nodes, alive_nodes) if keep else None
+    display = progress.start(state, callbacks)
+    sampler = None
+    if sample or display is not None:
+        try:
+            interval = config.seconds("record.store-interval")
+            on_round = display.stores if display is not None else None
+            sampler = StoreSampler(interval, on_round=on_round).start()
+        except Exception as e:  # e.g. ray without grpc: record the rest
+            logger.warning("raydag: cannot sample the object stores: %s", e)
+    error = None
+    try:
+        yield [o for o in (recorder, display) if o is not None]
+    except BaseException as e:
+        error = e
+        raise
+    finally:
+        if sampler is not None:
+            with contextlib.suppress(Exception):
+                sampler.stop()
+        if display is not None:
+            display.close(error)
+        if recorder is not None:
+            if sampler is not None:
+                recorder.add_samples(sampler.samples)
+            try:
+                record.finished(recorder.finish(error))
+            except Exception:  # the record must never break a compute
+                logger.exception("raydag: could not finish the run record")
 
 
 def nested(keys: Any, values: Mapping[Key, Any]) -> Any:

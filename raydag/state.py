@@ -31,6 +31,10 @@ MEMORY = "memory"
 RELEASED = "released"
 
 
+class WorkerDiedError(RuntimeError):
+    """A task kept killing the worker process running it; retries are exhausted."""
+
+
 # ---- instructions (state machine -> Ray layer) ----------------------------------
 
 
@@ -98,6 +102,10 @@ class TaskFinished:
     durations: Mapping[Key, float] = field(default_factory=dict)
     nbytes: int = 0
     node: str | None = None  # where the value now lives
+    # Facts for the run record, not used for decisions: when the group started on
+    # its worker (wall clock, seconds since the epoch) and the worker's process id.
+    started: float = 0.0
+    worker: int = 0
 
 
 @dataclass(frozen=True)
@@ -328,6 +336,8 @@ class State:
         self.state[root] = MEMORY
         self.where[root] = ev.node
         for d in self.dependents[root]:
+            if self.state[d] != WAITING:  # given, or released lineage of a given value
+                continue
             self.missing[d] -= 1
             if self.missing[d] == 0:
                 self._make_ready(d)
@@ -345,10 +355,18 @@ class State:
             group.attempt += 1
             out.append(self._submit_instruction(group))
             return
-        self.failed = (ev.key, ev.error)
+        error = ev.error
+        if ev.retryable:
+            error = WorkerDiedError(
+                f"Task {ev.key!r} (category {self.category(ev.key)!r}) killed its worker "
+                f"process {group.attempt + 1} times (out of memory, or a crash); last: "
+                f"{type(ev.error).__name__}: {ev.error}"
+            )
+            error.__cause__ = ev.error if isinstance(ev.error, BaseException) else None
+        self.failed = (ev.key, error)
         del self.groups[ev.group]
         self._stop(out)
-        out.append(Fail(ev.key, ev.error))
+        out.append(Fail(ev.key, error))
 
     def _lost(self, ev: ResultsLost, out: list[Instruction]) -> None:
         """Recompute, in one wave, every lost value still needed and what it needs.
@@ -446,7 +464,11 @@ class State:
             heapq.heappop(self.ready)
             keys = self._fuse(key)
             if len(keys) > 1:
-                cost = self._cost(key, sum(self.estimate(k) or 0.0 for k in keys))
+                fused = self._cost(key, sum(self.estimate(k) or 0.0 for k in keys))
+                if self.used and self.used + fused > self.capacity:
+                    keys = (key,)  # the group costs more than ``key`` alone: no room for it
+                else:
+                    cost = fused
             members = frozenset(keys)
             inputs = tuple(
                 {d: None for m in keys for d in self.dependencies[m] if d not in members}
@@ -503,7 +525,11 @@ class State:
         members = {key}
         total = self.estimate(key) or 0.0
         cur = key
-        while cur not in self.outputs and len(self.dependents[cur]) == 1:
+        # a given value recomputed after a loss must reach the object store, like an
+        # output, so the Ray layer can hand it back to its owner: never fused away
+        while (
+            cur not in self.outputs and cur not in self.available and len(self.dependents[cur]) == 1
+        ):
             (nxt,) = self.dependents[cur]
             if self.state[nxt] != WAITING or not self._cheap(nxt) or not self._same_kind(key, nxt):
                 break
@@ -538,6 +564,7 @@ class State:
         if (
             budget <= 0
             or key in self.outputs
+            or key in self.available
             or len(self.dependents[key]) != 1
             or not self._cheap(key)
             or not self._same_kind(like, key)

@@ -1,0 +1,274 @@
+"""Scheduling overhead: dask tasks per second on graphs of tiny tasks.
+
+Two graphs, each handed to five contenders on one embedded local Ray (started by
+``raydag.runtime.connect()``, so raydag's Ray settings apply to all of them):
+
+  chains  100 chains of 50 ``inc`` tasks and one final ``sum`` (dask.delayed, 5,001 tasks)
+  array   ``da.ones(5000, chunks=1).sum()`` (5,000 leaf sums, a tree of partial sums)
+
+  raydag            dask.compute(x, scheduler=raydag.ray_get)
+  raydag no fusion  the same with raydag.fusion.enabled=False: one Ray task per dask task
+  ray_dask_get      dask.compute(x, scheduler=ray.util.dask.ray_dask_get), Ray's incumbent
+  raw Ray           the same number of @ray.remote calls with the same dependencies
+                    (chains of calls passing ObjectRefs; for the array graph, one call
+                    per task of the dask graph, wired as that graph): Ray's own floor
+  dask threads      dask.compute(x, scheduler="threads"): no Ray at all
+
+Tasks are counted in the graph dask hands to a scheduler's get (after dask's own
+optimisation), the same count for every contender. Each contender runs once to warm
+up, then ``--repeats`` times, contenders interleaved round by round so that load from
+other users of the machine spreads over all of them; the table shows the median (and
+the best). ``gc.collect()`` runs between timed runs, outside the timing.
+
+    python bench/overhead.py [--repeats 3] [--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import graphlib
+import statistics
+import time
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import _common
+import dask
+import dask.array as da
+import ray
+from dask._task_spec import convert_legacy_graph
+from dask.core import flatten
+from ray.util.dask import ray_dask_get
+
+import raydag
+from raydag import runtime
+
+N_CHAINS = 100
+CHAIN_LENGTH = 50
+N_CHUNKS = 5000
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+def chains_collection() -> Any:
+    d_inc = dask.delayed(inc, pure=False)
+    ends = []
+    for c in range(N_CHAINS):
+        v = c
+        for _ in range(CHAIN_LENGTH):
+            v = d_inc(v)
+        ends.append(v)
+    return dask.delayed(sum, pure=False)(ends)
+
+
+CHAINS_EXPECTED = sum(c + CHAIN_LENGTH for c in range(N_CHAINS))
+
+
+def array_collection() -> Any:
+    return da.ones(N_CHUNKS, chunks=1).sum()
+
+
+# ---- what a scheduler receives ---------------------------------------------------
+
+
+class _Captured(Exception):
+    pass
+
+
+@dataclass
+class Received:
+    """The graph dask hands to a scheduler's get: its dependencies, in topological order."""
+
+    order: list[tuple[Hashable, tuple]]
+    outputs: list
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+def received_graph(x: Any) -> Received:
+    """What ``dask.compute(x, scheduler=...)`` passes to a get, without running it."""
+    seen: dict[str, Received] = {}
+
+    def capture(dsk: Any, keys: Any, **kwargs: Any) -> Any:
+        if not isinstance(dsk, Mapping):
+            dsk = dsk.__dask_graph__()
+        tasks = convert_legacy_graph(dict(dsk))
+        deps = {k: tuple(t.dependencies) for k, t in tasks.items()}
+        order = list(graphlib.TopologicalSorter(deps).static_order())
+        seen["g"] = Received([(k, deps[k]) for k in order], list(flatten(keys)))
+        raise _Captured
+
+    try:
+        dask.compute(x, scheduler=capture)
+    except _Captured:
+        return seen["g"]
+    raise RuntimeError("the scheduler was never called")
+
+
+# ---- raw Ray ---------------------------------------------------------------------
+
+
+@ray.remote
+def r_inc(x: int) -> int:
+    return x + 1
+
+
+@ray.remote
+def r_sum(*xs: Any) -> Any:
+    return sum(xs)
+
+
+@ray.remote
+def r_node(*xs: float) -> float:
+    """One task of the mirrored array graph: a leaf makes 1.0, the others add inputs."""
+    return float(sum(xs)) if xs else 1.0
+
+
+def raw_chains() -> int:
+    """100 chains of 50 remote calls passing ObjectRefs, then one sum: 5,001 calls."""
+    ends = []
+    for c in range(N_CHAINS):
+        v: Any = c
+        for _ in range(CHAIN_LENGTH):
+            v = r_inc.remote(v)
+        ends.append(v)
+    return ray.get(r_sum.remote(*ends))
+
+
+def raw_mirror(g: Received) -> Callable[[], Any]:
+    """One remote call per task of ``g``, each taking its dependencies' ObjectRefs."""
+
+    def run() -> Any:
+        refs: dict[Hashable, ray.ObjectRef] = {}
+        for key, deps in g.order:
+            refs[key] = r_node.remote(*[refs[d] for d in deps])
+        return ray.get([refs[k] for k in g.outputs])
+
+    return run
+
+
+# ---- the runs ----------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    graph: str
+    contender: str
+    tasks: int
+    times: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def best(self) -> float:
+        return min(self.times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per contender")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = ap.parse_args()
+
+    runtime.connect()  # one embedded Ray with raydag's settings, for every Ray contender
+    info = _common.print_header(
+        "overhead: dask tasks per second on tiny tasks",
+        {"ray": _common.ray_settings()},
+    )
+
+    chains, array = chains_collection(), array_collection()
+    g_chains, g_array = received_graph(chains), received_graph(array)
+    assert len(g_chains) == N_CHAINS * CHAIN_LENGTH + 1, len(g_chains)
+
+    def dask_with(x: Any, scheduler: Any, **config: Any) -> Callable[[], Any]:
+        def run() -> Any:
+            with dask.config.set(config):
+                return dask.compute(x, scheduler=scheduler)[0]
+
+        return run
+
+    no_fusion = {"raydag.fusion.enabled": False}
+
+    graphs = {
+        "chains": (
+            len(g_chains),
+            CHAINS_EXPECTED,
+            {
+                "raydag": dask_with(chains, raydag.ray_get),
+                "raydag no fusion": dask_with(chains, raydag.ray_get, **no_fusion),
+                "ray_dask_get": dask_with(chains, ray_dask_get),
+                "raw Ray": raw_chains,
+                "dask threads": dask_with(chains, "threads"),
+            },
+        ),
+        "array": (
+            len(g_array),
+            float(N_CHUNKS),
+            {
+                "raydag": dask_with(array, raydag.ray_get),
+                "raydag no fusion": dask_with(array, raydag.ray_get, **no_fusion),
+                "ray_dask_get": dask_with(array, ray_dask_get),
+                "raw Ray": lambda: raw_mirror(g_array)()[0],
+                "dask threads": dask_with(array, "threads"),
+            },
+        ),
+    }
+    print(f"tasks   : chains {len(g_chains)}, array {len(g_array)} (as handed to a get)")
+    print(f"timing  : 1 warm-up, then median of {args.repeats} runs (best also shown)")
+    print()
+
+    results: list[Result] = []
+    for name, (n_tasks, expected, contenders) in graphs.items():
+        times: dict[str, list[float]] = {c: [] for c in contenders}
+        for round_ in range(args.repeats + 1):
+            for contender, fn in contenders.items():
+                gc.collect()
+                t0 = time.perf_counter()
+                value = fn()
+                elapsed = time.perf_counter() - t0
+                if value != expected:
+                    raise AssertionError(f"{name}/{contender}: got {value!r}, not {expected!r}")
+                if round_ > 0:  # round 0 is the warm-up
+                    times[contender].append(elapsed)
+        results += [Result(name, c, n_tasks, t) for c, t in times.items()]
+
+    rows = []
+    for r in results:
+        base = {x.contender: x for x in results if x.graph == r.graph}
+        rows.append(
+            [
+                r.graph,
+                r.contender,
+                f"{r.median:.3f}",
+                f"{r.best:.3f}",
+                f"{r.tasks / r.median:,.0f}",
+                f"{base['ray_dask_get'].median / r.median:.2f}",
+                f"{base['raw Ray'].median / r.median:.2f}",
+            ]
+        )
+    print(
+        _common.table(
+            ["graph", "contender", "median s", "best s", "tasks/s", "x ray_dask_get", "x raw Ray"],
+            rows,
+        )
+    )
+    print()
+    print("x ray_dask_get, x raw Ray: that contender's median seconds / this one's (>1: faster)")
+
+    if args.json:
+        info["results"] = [
+            {**asdict(r), "median": r.median, "best": r.best, "tasks_per_s": r.tasks / r.median}
+            for r in results
+        ]
+        _common.write_json(args.json, info)
+
+
+if __name__ == "__main__":
+    main()

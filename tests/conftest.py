@@ -1,0 +1,92 @@
+"""One embedded local Ray for the whole session, and a check that raydag left nothing behind."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import dask
+import pytest
+import ray
+
+import raydag.runtime
+from raydag.stores import store_stats
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """Start Ray once: starting it costs 10-20 s here, far more than any test."""
+    if ray.is_initialized():  # someone else's Ray would make the store checks meaningless
+        ray.shutdown()
+    # Ray workers inherit the raylet's environment: let them import the test modules,
+    # whose functions and exception classes cloudpickle ships by reference.
+    old_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, old_path) if p)
+    try:
+        with dask.config.set({"raydag.local-ray.num-cpus": 2}):
+            raydag.runtime.connect()
+    finally:
+        if old_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_path
+    yield
+    ray.shutdown()
+
+
+def store_objects() -> tuple[int, int]:
+    """(objects, bytes) in the object stores of all alive nodes."""
+    try:
+        stats = store_stats().values()
+    except ModuleNotFoundError as e:  # ray without its [default] extra has no grpc
+        pytest.fail(f"cannot read the object stores ({e}): install grpcio or ray[default]")
+    return sum(s.num_objects for s in stats), sum(s.used_bytes for s in stats)
+
+
+def _describe_leftovers() -> str:
+    """What is in the stores and which refs still point at objects, for a failure message."""
+    from ray._private.internal_api import node_stats
+
+    lines = []
+    for n in ray.nodes():
+        if not n["Alive"]:
+            continue
+        s = node_stats(n["NodeManagerAddress"], n["NodeManagerPort"], include_memory_info=True)
+        lines.append(str(s.store_stats).replace("\n", "; "))
+        for w in s.core_workers_stats:
+            for r in w.object_refs:
+                if r.object_size > 0 or r.pinned_in_memory:
+                    lines.append(
+                        f"  pid {w.pid}: {r.object_id.hex()} {r.object_size} B "
+                        f"local_refs={r.local_ref_count} pinned={r.pinned_in_memory} "
+                        f"{r.call_site or ''}"
+                    )
+    return "\n".join(lines)
+
+
+@pytest.fixture
+def assert_store_empty(ray_cluster):
+    """Call after a compute: raydag must free every object it made, without gc.collect()."""
+
+    def check(timeout: float = 3.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            objects, nbytes = store_objects()
+            if objects == 0:
+                return
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"object store still holds {objects} objects ({nbytes} bytes) "
+                    f"after {timeout} s:\n{_describe_leftovers()}"
+                )
+            time.sleep(0.02)
+
+    return check
+
+
+@pytest.fixture
+def store_count(ray_cluster):
+    """Objects in the store now: to show that a check for emptiness could fail."""
+    return lambda: store_objects()[0]

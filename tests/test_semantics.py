@@ -1,0 +1,458 @@
+"""What a dask scheduler owes its caller besides results: errors, callbacks, arguments, Ctrl-C."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import traceback
+import warnings
+from operator import add
+
+import dask
+import numpy as np
+import pytest
+import ray
+from dask._task_spec import Task, TaskRef
+from dask.callbacks import Callback
+from dask.diagnostics import Profiler, ProgressBar
+
+import raydag
+from raydag.api import IgnoredArgumentsWarning
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+def inc(x):
+    return x + 1
+
+
+def big(i):
+    """A value above Ray's inlining threshold, so that it goes through the object store."""
+    return np.full(50_000, i, dtype="float64")
+
+
+# ---- exceptions ---------------------------------------------------------------------
+
+
+def user_function_that_fails(x):
+    raise ValueError("boom")
+
+
+class CustomError(Exception):
+    """Defined here: the driver must get this very class back, not a wrapper."""
+
+    def __init__(self, msg, code=0):
+        super().__init__(msg, code)
+        self.code = code
+
+
+def raise_custom(x):
+    raise CustomError("custom", code=7)
+
+
+class UnpicklableError(Exception):
+    """Carries a lock, so pickling it fails on the worker."""
+
+    def __init__(self, msg):
+        super().__init__(msg)
+        self.lock = threading.Lock()
+
+
+def raise_unpicklable(x):
+    raise UnpicklableError("cannot ship me")
+
+
+class NeedsTwoArgsError(Exception):
+    """Pickles fine but cannot be rebuilt: ``args`` holds one of the two required arguments."""
+
+    def __init__(self, a, b):
+        super().__init__(f"{a}/{b}")
+
+
+def raise_needs_two_args(x):
+    raise NeedsTwoArgsError("a", "b")
+
+
+def _graph_with_failure(fail):
+    """Big inputs, one failing task among working ones."""
+    d = dask.delayed
+    inputs = [d(big)(i) for i in range(4)]
+    ok = d(sum)([d(np.sum)(a) for a in inputs])
+    bad = d(fail)(inputs[0])
+    return ok, bad
+
+
+def test_user_exception_type_and_traceback(assert_store_empty):
+    ok, bad = _graph_with_failure(user_function_that_fails)
+    with pytest.raises(ValueError, match="^boom$") as info:
+        dask.compute(ok, bad, scheduler=raydag.ray_get)
+    assert type(info.value) is ValueError
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "user_function_that_fails" in frames, frames
+    del info
+    assert_store_empty()
+
+
+def test_custom_exception_round_trips(assert_store_empty):
+    ok, bad = _graph_with_failure(raise_custom)
+    with pytest.raises(CustomError) as info:
+        dask.compute(ok, bad, scheduler=raydag.ray_get)
+    assert type(info.value) is CustomError
+    assert info.value.code == 7
+    assert "raise_custom" in [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    del info
+    assert_store_empty()
+
+
+@pytest.mark.parametrize(
+    "fail, name",
+    [(raise_unpicklable, "UnpicklableError"), (raise_needs_two_args, "NeedsTwoArgsError")],
+    ids=["pickling-fails", "unpickling-fails"],
+)
+def test_unshippable_exception_gives_a_clear_error(fail, name, assert_store_empty):
+    """The error must still name the original exception and its message."""
+    ok, bad = _graph_with_failure(fail)
+    with pytest.raises(Exception) as info:  # noqa: B017  (the type is what we look at)
+        dask.compute(ok, bad, scheduler=raydag.ray_get)
+    text = str(info.value)
+    assert name in text, text
+    assert "cannot ship me" in text or "a/b" in text, text
+    del info
+    assert_store_empty()
+
+
+def test_function_missing_on_workers_is_a_clear_error(tmp_path, monkeypatch, caplog):
+    """A module only the driver can import: say so at once, not "worker died" after retries."""
+    (tmp_path / "driver_only_module.py").write_text("def f(x):\n    return x + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the driver's path; workers never see it
+    import driver_only_module
+
+    caplog.set_level(logging.WARNING, logger="raydag")
+    with pytest.raises(Exception, match="No module named 'driver_only_module'") as info:
+        dask.compute(dask.delayed(driver_only_module.f)(1), scheduler=raydag.ray_get)
+    assert "WorkerDied" not in type(info.value).__name__
+    assert "lost its worker" not in caplog.text  # not retried as a crash
+
+
+def sleep_then(seconds, value):
+    time.sleep(seconds)
+    return value
+
+
+def fail_after(seconds):
+    time.sleep(seconds)
+    raise ValueError("failed while others run")
+
+
+def _idle(store_count):
+    """Nothing in the store and every CPU free: no task of ours is still running."""
+    return (
+        store_count() == 0
+        and ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]
+    )
+
+
+def _wait_until_idle(store_count, timeout):
+    deadline = time.monotonic() + timeout
+    while not _idle(store_count) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _idle(store_count)
+
+
+@pytest.mark.parametrize(
+    "force",
+    [
+        pytest.param(
+            False,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="default raydag.cancel.force=false: ray.cancel(force=False) only raises "
+                "KeyboardInterrupt once the task runs Python bytecode again, so a task "
+                "blocked in C (time.sleep, numpy) runs on, holding its CPU and inputs",
+            ),
+        ),
+        True,
+    ],
+    ids=["default-config", "cancel.force=true"],
+)
+def test_failure_cancels_work_in_flight(force, store_count, assert_store_empty):
+    """A long task running beside the failing one must not hold up compute(), a CPU or the store."""
+    d = dask.delayed
+    nap = 15
+    # On 2 CPUs (the 2 workers Ray prestarts) the sleeper and the failing task run at once.
+    sleeper = d(sleep_then)(nap, big(1), dask_key_name="sleeper")
+    bad = d(fail_after)(0.5, dask_key_name="bad")
+    assert _wait_until_idle(store_count, 5)
+    config = {} if force is False else {"raydag.cancel.force": True}
+    try:
+        with dask.config.set(config):
+            t0 = time.monotonic()
+            with pytest.raises(ValueError, match="failed while others run"):
+                dask.compute(bad, sleeper, scheduler=raydag.ray_get)
+            elapsed = time.monotonic() - t0
+        assert elapsed < 4, f"compute() took {elapsed:.1f} s"
+
+        # The sleeper was stopped: its pinned input is freed and its CPU is free again
+        # long before the nap would have ended.
+        assert_store_empty()
+        assert _wait_until_idle(store_count, 5), ray.available_resources()
+        got = dask.compute(*[d(sleep_then)(0.1, i) for i in range(4)], scheduler=raydag.ray_get)
+        assert got == (0, 1, 2, 3)
+    finally:
+        _wait_until_idle(store_count, nap + 5)  # do not leak into later tests
+
+
+# ---- dask callbacks -----------------------------------------------------------------
+
+
+class Recorder(Callback):
+    """Records every callback with a timestamp."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def _start(self, dsk):
+        self.events.append(("start", time.monotonic(), None))
+
+    def _start_state(self, dsk, state):
+        assert {"waiting", "running", "finished", "dependencies", "dependents"} <= set(state)
+        self.events.append(("start_state", time.monotonic(), None))
+
+    def _pretask(self, key, dsk, state):
+        self.events.append(("pretask", time.monotonic(), key))
+
+    def _posttask(self, key, result, dsk, state, worker_id):
+        self.events.append(("posttask", time.monotonic(), key))
+
+    def _finish(self, dsk, state, errored):
+        self.events.append(("finish", time.monotonic(), errored))
+
+    def times(self, kind):
+        return [t for k, t, _ in self.events if k == kind]
+
+    def keys(self, kind):
+        return [key for k, _, key in self.events if k == kind]
+
+
+def _sleepy_graph(n=8, seconds=0.2):
+    d = dask.delayed
+    parts = [d(sleep_then)(seconds, i, dask_key_name=f"nap-{i}") for i in range(n)]
+    return d(sum)(parts, dask_key_name="total")
+
+
+def test_callbacks_fire_in_order_and_posttask_follows_the_work(assert_store_empty):
+    rec = Recorder()
+    with rec:
+        assert dask.compute(_sleepy_graph(), scheduler=raydag.ray_get) == (sum(range(8)),)
+    kinds = [k for k, _, _ in rec.events]
+    assert kinds[:2] == ["start", "start_state"] and kinds[-1] == "finish"
+    assert rec.events[-1][2] is False  # not errored
+    task_keys = {f"nap-{i}" for i in range(8)} | {"total"}
+    assert set(rec.keys("pretask")) == task_keys
+    assert sorted(rec.keys("posttask")) == sorted(task_keys)
+    for key in task_keys:
+        pre = next(t for k, t, x in rec.events if k == "pretask" and x == key)
+        post = next(t for k, t, x in rec.events if k == "posttask" and x == key)
+        assert pre <= post
+
+    start = rec.times("start_state")[0]
+    naps = sorted(t for k, t, x in rec.events if k == "posttask" and x != "total")
+    # 8 naps of 0.2 s on 2 CPUs take >= 0.8 s: the posttasks must spread over that,
+    # not all arrive at submission time.
+    assert naps[0] - start >= 0.15, "a posttask fired before its task could have run"
+    assert naps[-1] - naps[0] >= 0.4, naps
+    assert rec.times("posttask")[-1] <= rec.times("finish")[0]
+    assert_store_empty()
+
+
+def test_callbacks_finish_reports_errors():
+    rec = Recorder()
+    with rec, pytest.raises(ValueError):
+        dask.compute(dask.delayed(user_function_that_fails)(1), scheduler=raydag.ray_get)
+    assert rec.events[-1][0] == "finish" and rec.events[-1][2] is True
+
+
+def test_progress_bar_does_not_finish_early(capsys):
+    """ProgressBar draws from posttask: 100% must not show before the last task ends."""
+    with ProgressBar(dt=0.05, out=sys.stdout):
+        t0 = time.monotonic()
+        dask.compute(_sleepy_graph(), scheduler=raydag.ray_get)
+        elapsed = time.monotonic() - t0
+    out = capsys.readouterr().out
+    assert "100%" in out
+    frames = [f for f in out.split("\r") if "%" in f]
+    # With draws every 50 ms over >= 0.8 s, some frames must show partial progress.
+    partial = [f for f in frames if "100%" not in f and "| 0%" not in f]
+    assert elapsed > 0.8
+    assert partial, frames
+
+
+def test_profiler(assert_store_empty):
+    with Profiler() as prof:
+        dask.compute(_sleepy_graph(4, 0.05), scheduler=raydag.ray_get)
+    keys = {r.key for r in prof.results}
+    assert keys == {f"nap-{i}" for i in range(4)} | {"total"}
+    for r in prof.results:
+        assert r.start_time <= r.end_time
+    assert_store_empty()
+
+
+# ---- foreign keyword arguments --------------------------------------------------------
+
+
+def test_foreign_kwargs_accepted_with_one_warning(assert_store_empty):
+    x = dask.delayed(add)(dask.delayed(inc)(1), 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (got,) = dask.compute(
+            x,
+            scheduler=raydag.ray_get,
+            resources={"cores": 1},
+            worker_transfers=True,
+            task_mode="function-calls",
+            lib_resources={"cores": 2, "slots": 2},
+            prune_depth=2,
+        )
+    assert got == 4
+    ours = [w for w in caught if issubclass(w.category, IgnoredArgumentsWarning)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    message = str(ours[0].message)
+    for name in ("resources", "worker_transfers", "task_mode", "lib_resources", "prune_depth"):
+        assert name in message
+    assert "not known" not in message  # all of these are known foreign arguments
+    assert_store_empty()
+
+
+def test_no_warning_without_foreign_kwargs():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IgnoredArgumentsWarning)
+        assert dask.compute(dask.delayed(inc)(1), scheduler=raydag.ray_get) == (2,)
+
+
+# ---- bad graphs -----------------------------------------------------------------------
+
+
+def touch(path):
+    with open(path, "w") as f:
+        f.write("ran")
+    return np.zeros(50_000)
+
+
+def _assert_graph_error(dsk, keys, must_name, side_effect, assert_store_empty):
+    with pytest.raises(raydag.GraphError) as info:
+        raydag.ray_get(dsk, keys)
+    for key in must_name:
+        assert repr(key) in str(info.value), str(info.value)
+    time.sleep(0.5)  # give a wrongly submitted task time to leave a trace
+    assert not os.path.exists(side_effect), "a task ran before the graph was checked"
+    assert_store_empty()
+
+
+def test_cycle_is_a_graph_error(tmp_path, assert_store_empty):
+    marker = str(tmp_path / "ran")
+    dsk = {"side": (touch, marker), "a": (inc, "b"), "b": (inc, "a")}
+    _assert_graph_error(dsk, ["side", "a"], ["a", "b"], marker, assert_store_empty)
+
+
+def test_missing_dependency_is_a_graph_error(tmp_path, assert_store_empty):
+    marker = str(tmp_path / "ran")
+    dsk = {
+        "side": Task("side", touch, marker),
+        "a": Task("a", add, TaskRef("side"), TaskRef("nowhere")),
+    }
+    _assert_graph_error(dsk, ["side", "a"], ["a", "nowhere"], marker, assert_store_empty)
+
+
+def test_missing_requested_key_is_a_graph_error(tmp_path, assert_store_empty):
+    marker = str(tmp_path / "ran")
+    dsk = {"side": (touch, marker), "a": 1}
+    _assert_graph_error(dsk, [["side"], ["absent"]], ["absent"], marker, assert_store_empty)
+
+
+# ---- Ctrl-C ------------------------------------------------------------------------------
+
+
+CTRL_C_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    import dask
+    import numpy as np
+    import raydag
+    from raydag import runtime
+    from dask.callbacks import Callback
+
+    def nap(i):
+        time.sleep(60)
+        return np.zeros(50_000) + i
+
+    class Announce(Callback):
+        def _pretask(self, key, dsk, state):
+            print("RUNNING", flush=True)
+
+    dask.config.set({"raydag.local-ray.num-cpus": 2})
+    runtime.connect()
+    # warm the workers up so that the interrupt lands while the naps really run
+    dask.compute(dask.delayed(int)(1), scheduler=raydag.ray_get)
+    parts = [dask.delayed(nap)(i) for i in range(6)]
+    try:
+        with Announce():
+            dask.compute(dask.delayed(sum)(parts), scheduler=raydag.ray_get)
+    except KeyboardInterrupt:
+        print("CAUGHT KeyboardInterrupt", flush=True)
+        sys.exit(0)
+    print("NOT INTERRUPTED", flush=True)
+    sys.exit(1)
+    """
+)
+
+
+@pytest.mark.slow
+def test_ctrl_c_interrupts_promptly(tmp_path):
+    """SIGINT during a compute raises KeyboardInterrupt at once; the process then exits."""
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=str(tmp_path),
+    )
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("RUNNING"):
+                break
+        else:
+            pytest.fail("the subprocess never started its tasks:\n" + "".join(lines))
+        time.sleep(1.5)  # the naps are now sleeping on the workers
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("CAUGHT"):
+                caught = time.monotonic() - sent
+                break
+        else:
+            pytest.fail("KeyboardInterrupt was not caught:\n" + "".join(lines))
+        rest, _ = proc.communicate(timeout=30)
+        exited = time.monotonic() - sent
+        lines.append(rest)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = "".join(lines)
+    assert proc.returncode == 0, out
+    assert caught < 3, f"KeyboardInterrupt took {caught:.1f} s\n{out}"
+    assert exited < 10, f"the process took {exited:.1f} s to exit\n{out}"
