@@ -7,6 +7,7 @@ import warnings
 from typing import Any
 
 import dask
+from dask.utils import Dispatch
 
 from raydag import runtime
 
@@ -69,10 +70,55 @@ def ray_get(dsk: Any, keys: Any, callbacks: Any = None, **kwargs: Any) -> Any:
     _, outputs = runtime.run(dsk, keys, callbacks=callbacks)
     try:
         refs = [ref for ref, _ in outputs.values()]
-        values = dict(zip(outputs, runtime.ray.get(refs), strict=True))
+        values = {k: own(v) for k, v in zip(outputs, runtime.ray.get(refs), strict=True)}
     finally:
         outputs.clear()
+        del refs
     return runtime.nested(keys, values)
+
+
+# Ray hands numpy and pandas data back as read-only views into its object store,
+# which stay pinned there while the user holds them. dask's schedulers return plain,
+# writeable objects; so does raydag, with one copy, and the store is left empty.
+own = Dispatch("own")
+
+
+@own.register(object)
+def _own_object(x: Any) -> Any:
+    return x
+
+
+@own.register(list)
+def _own_list(x: list) -> list:
+    return [own(v) for v in x]
+
+
+@own.register(tuple)
+def _own_tuple(x: tuple) -> tuple:
+    return type(x)(*map(own, x)) if hasattr(x, "_fields") else tuple(map(own, x))
+
+
+@own.register(dict)
+def _own_dict(x: dict) -> dict:
+    return {k: own(v) for k, v in x.items()}
+
+
+@own.register_lazy("numpy")
+def _register_numpy() -> None:
+    import numpy as np
+
+    @own.register(np.ndarray)
+    def _own_ndarray(x: np.ndarray) -> np.ndarray:
+        return x if x.flags.writeable else x.copy()
+
+
+@own.register_lazy("pandas")
+def _register_pandas() -> None:
+    import pandas as pd
+
+    @own.register((pd.DataFrame, pd.Series, pd.Index))
+    def _own_pandas(x: Any) -> Any:
+        return x.copy(deep=True)
 
 
 get = ray_get

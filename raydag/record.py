@@ -336,13 +336,16 @@ class Recorder:
         columns.insert(4, [categories.get(k) for k in keys])
         columns.append([0] * len(rows))
         arrays = [
-            pa.array(col, type=_arrow_type(t)) for col, (_, t, _) in zip(columns, EVENT_COLUMNS, strict=True)
+            pa.array(col, type=_arrow_type(t))
+            for col, (_, t, _) in zip(columns, EVENT_COLUMNS, strict=True)
         ]
         table = pa.Table.from_arrays(arrays, schema=events_schema())
         if rows:
             import pyarrow.compute as pc
 
-            table = table.take(pc.sort_indices(table, [("time", "ascending"), ("seq", "ascending")]))
+            table = table.take(
+                pc.sort_indices(table, [("time", "ascending"), ("seq", "ascending")])
+            )
         return table
 
     def stores_table(self) -> pa.Table:
@@ -360,7 +363,8 @@ class Recorder:
             [0] * len(s),
         ]
         arrays = [
-            pa.array(c, type=_arrow_type(t)) for c, (_, t, _) in zip(cols, STORE_COLUMNS, strict=True)
+            pa.array(c, type=_arrow_type(t))
+            for c, (_, t, _) in zip(cols, STORE_COLUMNS, strict=True)
         ]
         return pa.Table.from_arrays(arrays, schema=stores_schema())
 
@@ -484,7 +488,9 @@ class RunRecord:
             "retries": int((ev.event == RETRIED).sum()),
             "failures": int((ev.event == FAILED).sum()),
             "cancelled": int((ev.event == CANCELLED).sum()),
-            "recovery_waves": int(ev.loc[ev.event == RECOVERY, ["run", "wave"]].drop_duplicates().shape[0]),
+            "recovery_waves": int(
+                ev.loc[ev.event == RECOVERY, ["run", "wave"]].drop_duplicates().shape[0]
+            ),
             "recomputed": int((ev.event == RECOVERY).sum()),
             "lost": int((ev.event == LOST).sum()),
             "nodes_lost": int((ev.event == NODE_LOST).sum()),
@@ -525,7 +531,9 @@ class RunRecord:
         meta = json.loads((path / "run.json").read_text()) if (path / "run.json").exists() else {}
         events = pq.read_table(path / "events.parquet")
         stores_path = path / "stores.parquet"
-        stores = pq.read_table(stores_path) if stores_path.exists() else stores_schema().empty_table()
+        stores = (
+            pq.read_table(stores_path) if stores_path.exists() else stores_schema().empty_table()
+        )
         return cls(meta, events=events, stores=stores)
 
     @classmethod

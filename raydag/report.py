@@ -135,8 +135,17 @@ def _palette(n: int) -> list[str]:
     from bokeh.palettes import Category10, Category20
 
     if n <= 10:
-        return list(Category10[10])[: max(n, 1)]
+        return list(Category10[10])[:n]
     return [Category20[20][i % 20] for i in range(n)]
+
+
+def _source(df: pd.DataFrame) -> Any:
+    """A ColumnDataSource of plain columns (Bokeh's DataFrame path warns on pandas 3)."""
+    from bokeh.models import ColumnDataSource
+
+    return ColumnDataSource(
+        {c: list(df[c]) if df[c].dtype == object else df[c].to_numpy() for c in df.columns}
+    )
 
 
 def _node_label(node: Any) -> str:
@@ -246,7 +255,7 @@ def _timeline(
         )
         cols = ["row", "start", "end", "colour", "key", "category", "size", "took", "attempt"]
         cols += ["wave", "node_label", "worker_label", "duplicate", "won", "group"]
-        src = ColumnDataSource(data[cols])
+        src = _source(data[cols])
         bars = p.hbar(
             y="row",
             left="start",
@@ -288,7 +297,7 @@ def _timeline(
                     line_color=colour,
                     line_width=2,
                     line_dash=dash,
-                    source=ColumnDataSource(data.loc[mask, ["row", "start", "end"]]),
+                    source=_source(data.loc[mask, ["row", "start", "end"]]),
                     legend_label=label,
                 )
     if len(marks):
@@ -331,7 +340,13 @@ def _timeline(
         lost = e.event == "node-lost"
         colour = RED if lost else GREEN
         p.add_layout(
-            Span(location=e.time, dimension="height", line_color=colour, line_width=2, line_dash="dashed")
+            Span(
+                location=e.time,
+                dimension="height",
+                line_color=colour,
+                line_width=2,
+                line_dash="dashed",
+            )
         )
         p.add_layout(
             Label(
@@ -343,7 +358,11 @@ def _timeline(
                 text_font_size="11px",
             )
         )
-    waves = ev[ev.event == "recovery"].groupby(["run", "wave"]).agg(time=("time", "min"), n=("key", "size"))
+    waves = (
+        ev[ev.event == "recovery"]
+        .groupby(["run", "wave"])
+        .agg(time=("time", "min"), n=("key", "size"))
+    )
     for (_, wave), w in waves.iterrows():
         p.add_layout(Span(location=w.time, dimension="height", line_color=RED, line_dash="dotted"))
         p.add_layout(
@@ -370,7 +389,7 @@ def _stores(rec: RunRecord, x_range: Any) -> Any:
     from bokeh.models import ColumnDataSource, Div, HoverTool
     from bokeh.plotting import figure
 
-    st = rec.stores
+    st = rec.stores_table.to_pandas()  # no missing values: plain numpy columns
     if not len(st):
         return Div(
             text="<p><i>The object stores were not sampled for this record: they are while "
@@ -405,15 +424,31 @@ def _stores(rec: RunRecord, x_range: Any) -> Any:
                 }
             )
             label = _node_label(node)
-            lines.append(p.line("time", "used", line_color=colour, line_width=2, source=src, legend_label=label))
+            lines.append(
+                p.line(
+                    "time", "used", line_color=colour, line_width=2, source=src, legend_label=label
+                )
+            )
             p.line("time", "cap", line_color=colour, line_dash="dashed", source=src)
             if (s.spilled_bytes != s.spilled_bytes.iloc[0]).any():
-                p.line("time", "spilled", line_color=colour, line_dash="dotted", line_width=2, source=src)
+                p.line(
+                    "time",
+                    "spilled",
+                    line_color=colour,
+                    line_dash="dotted",
+                    line_width=2,
+                    source=src,
+                )
     p.add_tools(
         HoverTool(
             renderers=lines,
-            tooltips=[("t", "@time{0.00} s"), ("used", "@used{0.0} MiB"), ("capacity", "@cap{0} MiB"),
-                      ("spilled", "@spilled{0.0} MiB"), ("objects", "@objects")],  # fmt: skip
+            tooltips=[
+                ("t", "@time{0.00} s"),
+                ("used", "@used{0.0} MiB"),
+                ("capacity", "@cap{0} MiB"),
+                ("spilled", "@spilled{0.0} MiB"),
+                ("objects", "@objects"),
+            ],  # fmt: skip
         )
     )
     p.y_range.start = 0
@@ -441,7 +476,17 @@ def _categories(tasks: pd.DataFrame, colours: dict[str, str]) -> tuple[Any, Any]
     g = g.sort_values("total", ascending=False)
     head = "".join(
         f"<th>{h}</th>"
-        for h in ("", "category", "count", "mean", "max", "total", "bytes out", "retries", "recomputed")
+        for h in (
+            "",
+            "category",
+            "count",
+            "mean",
+            "max",
+            "total",
+            "bytes out",
+            "retries",
+            "recomputed",
+        )
     )
     body = "".join(
         f'<tr><td><span style="display:inline-block;width:12px;height:12px;'
@@ -481,13 +526,27 @@ def _categories(tasks: pd.DataFrame, colours: dict[str, str]) -> tuple[Any, Any]
         x_axis_label=unit,
         output_backend="canvas",
     )
-    p.hbar(y="category", right="max", height=0.8, fill_color="colour", fill_alpha=0.35, line_color=None, source=src)
-    mean = p.hbar(y="category", right="mean", height=0.5, fill_color="colour", line_color=None, source=src)
+    p.hbar(
+        y="category",
+        right="max",
+        height=0.8,
+        fill_color="colour",
+        fill_alpha=0.35,
+        line_color=None,
+        source=src,
+    )
+    mean = p.hbar(
+        y="category", right="mean", height=0.5, fill_color="colour", line_color=None, source=src
+    )
     p.add_tools(
         HoverTool(
             renderers=[mean],
-            tooltips=[("category", "@category"), ("count", "@count"),
-                      ("mean", f"@mean{{0.000}} {unit}"), ("max", f"@max{{0.000}} {unit}")],  # fmt: skip
+            tooltips=[
+                ("category", "@category"),
+                ("count", "@count"),
+                ("mean", f"@mean{{0.000}} {unit}"),
+                ("max", f"@max{{0.000}} {unit}"),
+            ],  # fmt: skip
         )
     )
     p.x_range.start = 0
@@ -547,7 +606,9 @@ def render(rec: RunRecord, title: str | None = None) -> str:
     summary = rec.summary()
     runs = rec.meta.get("runs", [rec.meta])
     title = title or (
-        f"raydag run {rec.meta.get('id', '')}" if len(runs) == 1 else f"raydag: {len(runs)} computes"
+        f"raydag run {rec.meta.get('id', '')}"
+        if len(runs) == 1
+        else f"raydag: {len(runs)} computes"
     )
     tasks = rec.tasks
     tasks["node_label"] = [_node_label(n) for n in tasks.node]

@@ -2,8 +2,7 @@
 
 Chunks and partitions are sized above Ray's 100 KiB inlining threshold so that
 intermediates really go through the object store, which each test then finds empty.
-Large results are deleted before that check: ray.get returns zero-copy views that pin
-their objects (see ``test_result_is_writeable_and_frees_the_store``).
+raydag copies results out of the store (``test_result_is_writeable_and_frees_the_store``).
 """
 
 from __future__ import annotations
@@ -92,7 +91,7 @@ def test_array_several_outputs_share_intermediates(assert_store_empty):
     got, expected = compute_both(y.sum(), y.T[:10], y.max(axis=0))
     for g, e in zip(got, expected, strict=True):
         assert_same(g, e)
-    del got, expected, g, e  # results are zero-copy views: they pin their objects
+    del got, expected, g, e
     assert_store_empty()
 
 
@@ -105,10 +104,6 @@ def _probe_result(scheduler, store_count):
     return writeable, owndata, store_count()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="results are ray.get's zero-copy read-only views that pin the object store",
-)
 def test_result_is_writeable_and_frees_the_store(store_count):
     """sync returns a writeable array that owns its memory; so should raydag."""
     expected = _probe_result("sync", store_count)
@@ -176,7 +171,7 @@ def test_dataframe_repartition(assert_store_empty):
     got, expected = compute_both(ddf, ddf.w.sum(), ddf.map_partitions(len))
     for g, e in zip(got, expected, strict=True):
         assert_same(g, e)
-    del got, expected, g, e  # results are zero-copy views: they pin their objects
+    del got, expected, g, e
     assert_store_empty()
 
 
@@ -251,7 +246,7 @@ def test_delayed_task_returning_a_list(assert_store_empty):
     assert len(got[2]) == 8
     for g, e in zip(got[2], expected[2], strict=True):
         assert_same(g, e)
-    del got, expected, g, e  # results are zero-copy views: they pin their objects
+    del got, expected, g, e
     assert_store_empty()
 
 
