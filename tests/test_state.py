@@ -1,0 +1,1163 @@
+"""The scheduling state machine on its own: random graphs, a simulated driver, no Ray.
+
+``raydag.state`` makes every decision (order, release, fusion, retries), so its
+properties are checked here against an independent model of what has run, what is
+held and what is ready, on every event of many random runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+from dask._task_spec import convert_legacy_graph
+from dask.order import order
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from raydag.state import (
+    Aborted,
+    Cancel,
+    CapacityChanged,
+    Fail,
+    Fusion,
+    Recover,
+    Release,
+    ResultsLost,
+    State,
+    Submit,
+    TaskErred,
+    TaskFinished,
+    WorkerDiedError,
+)
+
+# Below Fusion().max_task_duration; a power of two, so that the state machine's means
+# and sums of it are exact and the model below can compare costs without rounding.
+CHEAP = 2**-10
+SLOW = 0.02  # above it: never fused
+
+SETTINGS = settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+def _task(*args):
+    return None
+
+
+def dask_priorities(dependencies: dict) -> dict:
+    """``dask.order`` over legacy tasks that read exactly ``dependencies``."""
+    dsk = {k: (_task, *sorted(deps)) for k, deps in dependencies.items()}
+    return order(convert_legacy_graph(dsk), dependencies=dependencies)
+
+
+def dependents_of(dependencies: dict) -> dict:
+    out: dict = {k: set() for k in dependencies}
+    for k, deps in dependencies.items():
+        for d in deps:
+            out[d].add(k)
+    return out
+
+
+# ---- random scenarios -----------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Scenario:
+    dependencies: dict
+    priorities: dict
+    outputs: set
+    available: set
+    resources: dict
+    retries: dict
+    capacity: int
+    fusion: Fusion
+    categories: dict  # key -> category
+    durations: dict  # category -> reported seconds per task
+    default_retries: int = 3
+    cheap_cost: float = 1.0  # slots taken by a task measured cheap (exact in binary)
+    fixed: set = dataclasses.field(default_factory=set)  # given, with no lineage here
+
+    def state(self) -> State:
+        return State(
+            self.dependencies,
+            self.priorities,
+            self.outputs,
+            capacity=self.capacity,
+            available=self.available,
+            resources=self.resources,
+            retries=self.retries,
+            default_retries=self.default_retries,
+            fusion=self.fusion,
+            category=self.categories.__getitem__,
+            cheap_cost=self.cheap_cost,
+            fixed=self.fixed,
+        )
+
+
+@st.composite
+def scenarios(draw, fusion: bool | None = None, annotations: bool = True) -> Scenario:
+    """A culled DAG (every sink is an output) with edges from lower to higher index.
+
+    Most edges are local (chains and small trees, which is what fuses), a few reach
+    far back (shared inputs, which must not fuse); some graphs are mostly long chains
+    (long fused groups). Some sources are given (held from the start), with no lineage
+    (``fixed``) or with it; sometimes a later key is given too, its ancestors in the
+    graph being its lineage, run only if needed.
+    """
+    n = draw(st.integers(1, 60))
+    keys = [f"k{i}" for i in range(n)]
+    shape = draw(st.sampled_from(["dag", "trees", "chains"]))
+    dependencies: dict = {}
+    for i, k in enumerate(keys):
+        if i == 0:
+            dependencies[k] = set()
+            continue
+        if shape == "chains":  # mostly the previous key; now and then a new chain
+            offsets = draw(st.sampled_from([[1]] * 7 + [[]]))
+        else:
+            offsets = draw(st.lists(st.integers(1, min(i, 6)), max_size=3 if shape == "dag" else 1))
+        dependencies[k] = {keys[i - o] for o in offsets}
+    far = draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=n // 4))
+    for a, b in far:
+        if a < b:
+            dependencies[keys[b]].add(keys[a])
+    dependents = dependents_of(dependencies)
+
+    sinks = {k for k in keys if not dependents[k]}
+    outputs = sinks | draw(st.sets(st.sampled_from(keys), max_size=3))
+    sources = sorted(k for k in keys if not dependencies[k])
+    available = draw(st.sets(st.sampled_from(sources), max_size=len(sources) // 2))
+    if draw(st.booleans()):
+        available |= draw(st.sets(st.sampled_from(keys), max_size=3))
+    fixed = {k for k in sorted(available) if not dependencies[k] and draw(st.booleans())}
+
+    if draw(st.booleans()):
+        priorities = dask_priorities(dependencies)
+    else:
+        priorities = dict(zip(keys, draw(st.permutations(range(n))), strict=True))
+
+    resources: dict = {}
+    retries: dict = {}
+    if annotations:
+        kinds = st.sampled_from([{"CPU": 2}, {"CPU": 0.5}, {"GPU": 1}, {"CPU": 1}])
+        resources = draw(st.dictionaries(st.sampled_from(keys), kinds, max_size=4))
+        if draw(st.booleans()):  # a few keys, or every key alike (which still fuses)
+            retries = draw(st.dictionaries(st.sampled_from(keys), st.integers(0, 3), max_size=4))
+        else:
+            retries = dict.fromkeys(keys, draw(st.integers(0, 3)))
+
+    ncat = 1 if shape == "chains" else draw(st.integers(1, 3))
+    categories = {k: f"c{draw(st.integers(0, ncat - 1))}" if ncat > 1 else "c0" for k in keys}
+    durations = {
+        f"c{j}": CHEAP if j == 0 else draw(st.sampled_from([CHEAP, SLOW])) for j in range(ncat)
+    }
+    enabled = draw(st.booleans()) if fusion is None else fusion
+    cfg = Fusion(
+        enabled=enabled,
+        max_group_duration=draw(st.sampled_from([0.0025, 0.01, 0.25])),
+        max_group_size=draw(st.sampled_from([2, 3, 5, 256])),
+    )
+    return Scenario(
+        dependencies=dependencies,
+        priorities=priorities,
+        outputs=outputs,
+        available=available,
+        resources=resources,
+        retries=retries,
+        capacity=draw(st.integers(1, 4)),
+        fusion=cfg,
+        categories=categories,
+        durations=durations,
+        default_retries=draw(st.integers(0, 3)),
+        cheap_cost=draw(st.sampled_from([1.0, 0.5, 0.25])),
+        fixed=fixed,
+    )
+
+
+# ---- the simulated Ray layer ----------------------------------------------------
+
+
+def assert_fails(ins, key, error, retryable: bool) -> None:
+    """``Fail`` with the task's error; a killed worker's, wrapped to say so."""
+    assert isinstance(ins, Fail) and ins.key == key, ins
+    if retryable:
+        assert isinstance(ins.error, WorkerDiedError) and ins.error.__cause__ is error, ins
+    else:
+        assert ins.error is error, ins
+
+
+class Driver:
+    """Carries out instructions against its own model and checks each one.
+
+    The model (what finished, what is held, what is in flight, what is being
+    recovered) is built only from instructions and events, never read from the
+    ``State``, so it can disagree.
+    """
+
+    def __init__(self, sc: Scenario):
+        self.sc = sc
+        self.deps = {k: frozenset(v) for k, v in sc.dependencies.items()}
+        self.dependents = dependents_of(sc.dependencies)
+        self.state = sc.state()
+        self.capacity = sc.capacity
+        self.inflight: dict[int, Submit] = {}
+        self.costs: dict[int, float] = {}  # group -> slots it took when submitted
+        self.groups_seen: set[int] = set()
+        self.submitted: set = set()
+        # What the outputs need, up to given values; the rest is lineage of given values
+        needed: set = set()
+        stack = list(sc.outputs)
+        while stack:
+            k = stack.pop()
+            if k not in needed:
+                needed.add(k)
+                if k not in sc.available:
+                    stack.extend(self.deps[k])
+        self.given: set = set(sc.available)  # given, never lost: held by their owner
+        self.skipped: set = set(sc.available) | (set(self.deps) - needed)  # done, not run
+        self.finished: set = set(self.skipped)  # members of finished groups, and skipped
+        self.memory: set = set(sc.available)  # values held outside any Ray task
+        self.released: set = set()
+        self.roots: set = set()
+        self.recovering: set = set()  # to be recomputed, not finished again yet
+        self.cancelled: list[int] = []  # groups cancelled by a recovery
+        self.known: dict[str, float] = {}  # category -> duration reported so far
+        self.submits: list[Submit] = []
+        self.stopped = False
+        self.errors = 0
+        self.outcome = "running"  # or completed, failed, aborted
+        self.retried = 0
+        self.waves = 0
+        self.restored: set = set()
+        self.lineage_run: set = set()
+
+    # -- events ---------------------------------------------------------------
+
+    def start(self) -> list:
+        out = self.state.start()
+        self._apply(out)
+        assert all(len(s.keys) == 1 for s in out if isinstance(s, Submit)), (
+            "fused before any duration was known"
+        )
+        return out
+
+    def finish(self, gid: int) -> list:
+        sub = self.inflight.pop(gid)
+        self.finished.update(sub.keys)
+        self.memory.add(sub.root)
+        self.roots.add(sub.root)
+        self.recovering.difference_update(sub.keys)
+        if sub.root in self.sc.available:  # recomputed: the Ray layer heals its owner
+            self.given.add(sub.root)
+        for k in sub.keys:
+            self.known[self.sc.categories[k]] = self.sc.durations[self.sc.categories[k]]
+        durations = {k: self.sc.durations[self.sc.categories[k]] for k in sub.keys}
+        node = f"node{gid % 3}"
+        out = self.state.handle(TaskFinished(gid, durations, nbytes=8, node=node))
+        assert self.state.where[sub.root] == node
+        self._apply(out)
+        return out
+
+    def change_capacity(self, slots: int) -> list:
+        self.capacity = slots
+        out = self.state.handle(CapacityChanged(slots))
+        self._apply(out)
+        return out
+
+    def err(self, gid: int, key, retryable: bool) -> list:
+        sub = self.inflight[gid]
+        error = RuntimeError(f"boom {self.errors}")
+        self.errors += 1
+        annotated = max(self.sc.retries.get(k, 0) for k in sub.keys)
+        limit = max(annotated, self.sc.default_retries) if retryable else annotated
+        out = self.state.handle(TaskErred(gid, key, error, retryable))
+        self.state.validate_state()
+        if sub.attempt < limit:
+            again = dataclasses.replace(sub, attempt=sub.attempt + 1)
+            assert out == [again], (sub, out)
+            self.inflight[gid] = again
+            self.retried += 1
+            return out
+        del self.inflight[gid]
+        self._check_stop(out)
+        assert_fails(out[-1], key, error, retryable)
+        assert sum(isinstance(i, Fail) for i in out) == 1, out
+        self.outcome = "failed"
+        return out
+
+    def node_lost(self, gid: int, key, retryable: bool) -> list:
+        """The node running ``gid`` died: the same group again, retries untouched."""
+        sub = self.inflight[gid]
+        error = ConnectionError(f"node died {self.errors}")
+        self.errors += 1
+        out = self.state.handle(TaskErred(gid, key, error, retryable, node_lost=True))
+        self.state.validate_state()
+        assert out == [sub], (sub, out)
+        self.retried += 1
+        return out
+
+    def lose(self, keys: tuple, reason: str = "node died") -> list:
+        """``keys`` are gone; those held are recomputed with what they need, in one wave."""
+        lost = tuple(k for k in keys if k in self.memory)
+        lost_set = set(lost)
+        if lost_set & self.sc.fixed:  # a given value with no lineage: the compute fails
+            out = self.state.handle(ResultsLost(keys, reason))
+            self.state.validate_state()
+            assert not any(isinstance(i, Recover) for i in out), out
+            fail = out[-1]
+            self._check_stop(out)
+            assert isinstance(fail, Fail) and fail.key in lost_set & self.sc.fixed, out
+            assert sum(isinstance(i, Fail) for i in out) == 1, out
+            self.outcome = "failed"
+            return out
+
+        # What must run again, from the model alone: the lost values, and the
+        # released inputs of anything run again, transitively, up to given values
+        # (released here, still held by their owner, so held again).
+        gone = self.finished - self.memory
+        expected: set = set()
+        restored: set = set()
+        stack = list(lost)
+        while stack:
+            k = stack.pop()
+            if k in expected:
+                continue
+            expected.add(k)
+            for d in self.deps[k]:
+                if d in self.given:
+                    if d not in self.memory:
+                        restored.add(d)
+                elif d in gone:
+                    stack.append(d)
+        doomed = {g for g, sub in self.inflight.items() if lost_set & set(sub.inputs)}
+
+        out = self.state.handle(ResultsLost(keys, reason))
+        if not lost:
+            self.state.validate_state()
+            assert out == [], out
+            return out
+        recovers = [i for i in out if isinstance(i, Recover)]
+        assert len(recovers) == 1, out
+        (rec,) = recovers
+        self.waves += 1
+        assert rec.wave == self.waves, (rec, self.waves)
+        assert rec.lost == lost and rec.reason == reason, (rec, lost)
+        recompute = set(rec.recompute)
+        assert len(recompute) == len(rec.recompute), rec
+        assert recompute == expected, (
+            "recompute",
+            sorted(recompute - expected),
+            sorted(expected - recompute),
+        )
+        assert not recompute & (self.memory - lost_set), ("recomputes a held value", rec)
+        for k in recompute - lost_set:  # never a finished key nobody needs
+            assert k not in self.memory and self.dependents[k] & recompute, (k, rec)
+        cancels = [i.group for i in out if isinstance(i, Cancel)]
+        assert len(cancels) == len(set(cancels)) and set(cancels) == doomed, (cancels, doomed)
+        assert not any(isinstance(i, Fail) for i in out), out
+
+        for g in cancels:  # the cancelled run again, as new groups
+            sub = self.inflight.pop(g)
+            self.submitted -= set(sub.keys)
+            self.cancelled.append(g)
+        for keyset in (self.finished, self.memory, self.released, self.roots, self.submitted):
+            keyset -= recompute
+        self.given -= recompute  # lost: its owner holds nothing until it is recomputed
+        self.lineage_run |= recompute & self.skipped
+        self.skipped -= recompute
+        self.memory |= restored
+        self.restored |= restored
+        self.released -= restored
+        self.recovering |= recompute
+        self._apply([i for i in out if not isinstance(i, Cancel | Recover)])
+        return out
+
+    def late(self, gid: int) -> None:
+        """A result (or error) of a cancelled group arrives anyway: nothing changes."""
+        st_ = self.state
+
+        def snapshot():
+            return (
+                dict(st_.state),
+                dict(st_.missing),
+                dict(st_.waiters),
+                dict(st_.where),
+                {c: list(v) for c, v in st_.stats.items()},
+                set(st_.groups),
+                sorted(map(str, st_.ready)),
+                set(st_.recovering),
+                st_.used,
+                st_.wave,
+            )
+
+        before = snapshot()
+        durations = dict.fromkeys(st_.dependencies, 1.0)
+        assert st_.handle(TaskFinished(gid, durations, 8, node="late")) == []
+        assert st_.handle(TaskErred(gid, "x", RuntimeError(), True, node_lost=True)) == []
+        assert st_.handle(TaskErred(gid, "x", RuntimeError())) == []
+        assert snapshot() == before
+        st_.validate_state()
+
+    def abort(self) -> list:
+        out = self.state.handle(Aborted())
+        self.state.validate_state()
+        self._check_stop(out)
+        assert not any(isinstance(i, Fail) for i in out), out
+        self.outcome = "aborted"
+        return out
+
+    def _check_stop(self, out: list) -> None:
+        """Failure and abort: cancel all in flight, release all held, submit nothing."""
+        assert not any(isinstance(i, Submit) for i in out), out
+        cancels = [i.group for i in out if isinstance(i, Cancel)]
+        releases = [i.key for i in out if isinstance(i, Release)]
+        assert sorted(cancels) == sorted(self.inflight), (cancels, self.inflight)
+        assert sorted(releases) == sorted(self.memory), (releases, self.memory)
+        assert self.state.done
+        cancelled, self.inflight = self.inflight, {}
+        self.memory.clear()
+        self.stopped = True
+        # results of cancelled groups may still arrive: they must change nothing
+        for gid in cancelled:
+            assert self.state.handle(TaskFinished(gid, {}, 0)) == []
+            assert self.state.handle(TaskErred(gid, "x", RuntimeError(), True)) == []
+            self.state.validate_state()
+        assert self.state.handle(CapacityChanged(100)) == []
+        assert self.state.handle(ResultsLost(tuple(self.deps))) == []
+        assert self.state.done
+
+    # -- instructions ---------------------------------------------------------
+
+    def _cost(self, keys: tuple) -> float:
+        """Slots a group of ``keys`` takes: its CPUs, a fraction when measured cheap."""
+        r = self.sc.resources.get(keys[0])
+        cpus = float(r.get("CPU", 1)) if r else 1.0
+        seen = [self.known.get(self.sc.categories[k]) for k in keys]
+        estimate = seen[0] if len(keys) == 1 else sum(s or 0.0 for s in seen)
+        if estimate is not None and estimate < self.sc.fusion.max_task_duration:
+            return cpus * self.sc.cheap_cost
+        return cpus
+
+    def _used(self) -> float:
+        return sum(self.costs[g] for g in self.inflight)
+
+    def _rank(self, key) -> tuple:
+        """Recovery first, then priority."""
+        return (key not in self.recovering, self.sc.priorities[key])
+
+    def _ready(self) -> set:
+        return {
+            k
+            for k, deps in self.deps.items()
+            if k not in self.submitted and k not in self.finished and deps <= self.finished
+        }
+
+    def _apply(self, out: list) -> None:
+        assert not self.stopped
+        new = []
+        for ins in out:
+            if isinstance(ins, Submit):
+                assert ins.attempt == 0, ins
+                self._check_submit(ins)
+                new.append(ins)
+            elif isinstance(ins, Release):
+                self._check_release(ins.key)
+            else:
+                raise AssertionError(f"unexpected {ins!r} without a failure")
+        self.state.validate_state()
+        assert abs(self._used() - self.state.used) < 1e-9, (self._used(), self.state.used)
+
+        ready = self._ready()
+        if ready:
+            head = min(ready, key=self._rank)
+            for sub in new:  # recovery, then higher priority, first: nothing better waits
+                assert self._rank(sub.keys[0]) < self._rank(head), (sub, head)
+            # and no slot is left idle while work is ready
+            assert self.inflight, ("idle with ready work", ready)
+            used = self._used()
+            cost = self._cost((head,))
+            assert used + cost > self.capacity, ("room left for", head, used, self.capacity)
+        elif not self.inflight:  # no deadlock: nothing running, nothing ready means done
+            assert self.state.done, ("stuck", self.submitted, self.finished)
+
+    def _check_submit(self, sub: Submit) -> None:
+        sc = self.sc
+        keys, members = sub.keys, set(sub.keys)
+        assert sub.group not in self.groups_seen, sub
+        self.groups_seen.add(sub.group)
+        assert len(members) == len(keys), sub
+        assert not members & self.submitted, ("submitted twice", members & self.submitted)
+        assert not members & self.finished, ("finished key run again", members & self.finished)
+        assert not members & self.given, ("given keys are never run", sub)
+        assert not members & self.skipped, ("lineage run though not needed", sub)
+        self.submitted |= members
+
+        # capacity: it fits, or it runs alone
+        used = self._used()
+        cost = self._cost(keys)
+        assert used == 0 or used + cost <= self.capacity, (sub, used, cost, self.capacity)
+        self.inflight[sub.group] = sub
+        self.costs[sub.group] = cost
+
+        assert sub.priority == sc.priorities[sub.root]
+        assert sub.resources == sc.resources.get(sub.root)
+
+        # shape of a group: topological, each non-root read only inside, inputs held
+        for i, k in enumerate(keys):
+            inside = self.deps[k] & members
+            assert all(keys.index(d) < i for d in inside), ("not topological", sub)
+            if k != sub.root:
+                assert k not in sc.outputs, ("output fused away", k, sub)
+                assert k not in sc.available, ("given value fused away: owner not healed", sub)
+                assert len(self.dependents[k]) == 1, ("shared value fused away", k, sub)
+                assert self.dependents[k] <= members, ("consumer outside group", k, sub)
+        outside = {d for k in keys for d in self.deps[k]} - members
+        assert len(sub.inputs) == len(set(sub.inputs)), sub
+        assert set(sub.inputs) == outside, (sub, outside)
+        assert outside <= self.memory, ("input not held", outside - self.memory)
+
+        if len(keys) > 1:  # fusion only as configured, only of known-cheap, like tasks
+            f = sc.fusion
+            assert f.enabled, sub
+            assert len(keys) <= f.max_group_size, (len(keys), f.max_group_size, sub)
+            for k in keys:
+                seen = self.known.get(sc.categories[k])
+                assert seen is not None and seen < f.max_task_duration, (k, sub)
+                assert sc.resources.get(k) == sc.resources.get(keys[0]), sub
+                assert sc.retries.get(k) == sc.retries.get(keys[0]), sub
+            total = sum(sc.durations[sc.categories[k]] for k in keys)
+            assert total <= f.max_group_duration + 1e-9, (total, sub)
+        self.submits.append(sub)
+
+    def _check_release(self, key) -> None:
+        assert key in self.memory, ("released a value not held", key)
+        assert key not in self.sc.outputs, ("released an output", key)
+        assert self.dependents[key] <= self.finished, (
+            "released while needed",
+            key,
+            self.dependents[key] - self.finished,
+        )
+        self.memory.remove(key)
+        self.released.add(key)
+
+    # -- end of a successful run ---------------------------------------------
+
+    def check_complete(self) -> None:
+        sc, st_ = self.sc, self.state
+        assert not self.inflight
+        assert st_.done
+        assert self.submitted == set(self.deps) - self.skipped
+        assert self.finished == set(self.deps)
+        assert not self.recovering
+        assert self.memory == sc.outputs
+        assert self.released == (self.roots | sc.available) - sc.outputs
+        for k in self.deps:
+            assert st_.state[k] == ("memory" if k in sc.outputs else "released"), k
+        assert not st_.recovering
+        self.outcome = "completed"
+
+    def label(self) -> None:
+        """What a run exercised, for ``--hypothesis-show-statistics``."""
+        largest = max((len(s.keys) for s in self.submits), default=0)
+        event("fused" if largest > 1 else "not fused")
+        if largest * CHEAP >= self.sc.fusion.max_task_duration:
+            event("fused a group too long to be cheap")
+        event(self.outcome + (", retried" if self.retried else ""))
+        if self.waves:
+            event(f"recovered {min(self.waves, 3)}{'+' if self.waves > 3 else ''} waves")
+        if self.cancelled:
+            event("recovery cancelled groups")
+        if self.restored:
+            event("given values held again for a recovery")
+        if self.lineage_run:
+            event("given values or their lineage recomputed")
+
+
+def run_to_end(d: Driver, pick: Callable[[list], int]) -> None:
+    d.start()
+    while d.inflight:
+        d.finish(pick(sorted(d.inflight)))
+    d.check_complete()
+
+
+# ---- properties -----------------------------------------------------------------
+
+
+@SETTINGS
+@given(sc=scenarios(fusion=False), data=st.data())
+def test_random_runs_without_fusion(sc, data):
+    """Each key once, nothing freed early, everything else freed, priority order kept."""
+    d = Driver(sc)
+    run_to_end(d, lambda gids: data.draw(st.sampled_from(gids)))
+    assert all(len(s.keys) == 1 for s in d.submits)
+    d.label()
+
+
+@SETTINGS
+@given(sc=scenarios(fusion=True), data=st.data())
+def test_random_runs_with_fusion(sc, data):
+    """The same guarantees hold when cheap tasks are fused into groups."""
+    d = Driver(sc)
+    run_to_end(d, lambda gids: data.draw(st.sampled_from(gids)))
+    d.label()
+
+
+@SETTINGS
+@given(sc=scenarios(), data=st.data())
+def test_random_capacity_changes(sc, data):
+    """Capacity moving while running: new submits respect the new capacity."""
+    d = Driver(sc)
+    d.start()
+    while d.inflight:
+        if data.draw(st.integers(0, 5)) == 5:  # mostly finish; 0 shrinks to finishing
+            d.change_capacity(data.draw(st.integers(1, 4)))
+        else:
+            d.finish(data.draw(st.sampled_from(sorted(d.inflight))))
+    d.check_complete()
+    d.label()
+
+
+@pytest.mark.parametrize("fusion", [False, True])
+@SETTINGS
+@given(data=st.data())
+def test_random_failures_and_aborts(fusion, data):
+    """Errors retry as annotated then fail; failure and abort stop and free everything."""
+    d = Driver(data.draw(scenarios(fusion=fusion)))
+    d.start()
+    while d.inflight:
+        gid = data.draw(st.sampled_from(sorted(d.inflight)))
+        action = data.draw(st.sampled_from(["finish"] * 6 + ["err", "retryable", "abort"]))
+        if action == "finish":
+            d.finish(gid)
+        elif action == "abort":
+            d.abort()
+        else:
+            key = data.draw(st.sampled_from(d.inflight[gid].keys))
+            d.err(gid, key, retryable=action == "retryable")
+    if d.stopped:
+        assert d.state.done and not d.memory
+    else:
+        d.check_complete()
+    d.label()
+
+
+@pytest.mark.parametrize("fusion", [False, True])
+@SETTINGS
+@given(data=st.data())
+def test_random_lost_results(fusion, data):
+    """Values lost at random points, nodes dying under running tasks: every run recovers.
+
+    Each loss of held values is one wave recomputing exactly them and the released
+    inputs they need, ahead of other work; readers in flight are cancelled and rerun;
+    losing a given value fails the compute if it has no lineage here (``fixed``), else
+    reruns it; a dead node never uses up retries.
+    """
+    d = Driver(data.draw(scenarios(fusion=fusion)))
+    keys = sorted(d.deps)
+    d.start()
+    losses = node_deaths = lates = 0
+    while not d.stopped:
+        actions = ["finish"] * 5 if d.inflight else []
+        if losses < 4 and d.memory:
+            actions += ["lose"] * (3 if d.inflight else 1)
+        if d.inflight and node_deaths < 4:
+            actions += ["node lost", "input lost"]
+        if d.cancelled and lates < 4:
+            actions.append("late")
+        if not d.inflight:
+            actions.append("end")
+        action = data.draw(st.sampled_from(actions))
+        if action == "end":
+            break
+        if action == "finish":
+            d.finish(data.draw(st.sampled_from(sorted(d.inflight))))
+        elif action == "late":
+            lates += 1
+            d.late(data.draw(st.sampled_from(d.cancelled)))
+        elif action == "lose":
+            losses += 1
+            fixed_too = data.draw(st.integers(0, 9)) == 0  # which fails the compute
+            held = sorted(d.memory if fixed_too else d.memory - d.sc.fixed)
+            lost = data.draw(st.lists(st.sampled_from(held), unique=True)) if held else []
+            other = data.draw(st.lists(st.sampled_from(keys), max_size=2, unique=True))
+            lost += [k for k in other if k not in lost]
+            d.lose(tuple(data.draw(st.permutations(lost))))
+        else:
+            node_deaths += 1
+            gid = data.draw(st.sampled_from(sorted(d.inflight)))
+            sub = d.inflight[gid]
+            if action == "input lost":  # as the Ray layer reports it: inputs, then the error
+                held = sorted(set(sub.inputs) - d.sc.fixed)
+                lost = data.draw(st.lists(st.sampled_from(held), unique=True)) if held else []
+                if lost:
+                    d.lose(tuple(lost), f"input of {sub.root!r} lost")
+            if gid in d.inflight:
+                d.node_lost(gid, data.draw(st.sampled_from(sub.keys)), data.draw(st.booleans()))
+            else:  # cancelled by the loss of its input: the error changes nothing
+                d.late(gid)
+    if d.stopped:
+        assert d.outcome == "failed" and d.state.done and not d.memory
+    else:
+        d.check_complete()
+    d.label()
+
+
+# ---- examples -------------------------------------------------------------------
+
+
+def make(dependencies: dict, outputs, **kwargs) -> State:
+    kwargs.setdefault("capacity", 4)
+    return State(dependencies, dask_priorities(dependencies), outputs, **kwargs)
+
+
+def submits(out: list) -> list[Submit]:
+    return [i for i in out if isinstance(i, Submit)]
+
+
+def releases(out: list) -> set:
+    return {i.key for i in out if isinstance(i, Release)}
+
+
+def finish(state: State, sub: Submit, seconds: float = CHEAP) -> list:
+    out = state.handle(TaskFinished(sub.group, {k: seconds for k in sub.keys}, 8))
+    state.validate_state()
+    return out
+
+
+DIAMOND = {"a": set(), "b": {"a"}, "c": {"a"}, "d": {"b", "c"}}
+
+
+def test_diamond():
+    """The shared input lives until its last reader finishes, then the middle ones go."""
+    s = make(DIAMOND, {"d"})
+    (a,) = submits(s.start())
+    assert a.keys == ("a",) and a.inputs == ()
+    out = finish(s, a)
+    first, second = submits(out)
+    assert {first.root, second.root} == {"b", "c"} and not releases(out)
+    assert s.priorities[first.root] < s.priorities[second.root]
+    out = finish(s, first)
+    assert out == []  # "a" is still read by the other one
+    out = finish(s, second)
+    (d,) = submits(out)
+    assert releases(out) == {"a"} and set(d.inputs) == {"b", "c"}
+    out = finish(s, d)
+    assert releases(out) == {"b", "c"} and s.done
+
+
+def chain(n: int) -> dict:
+    return {f"k{i}": {f"k{i - 1}"} if i else set() for i in range(n)}
+
+
+def test_chain_fuses_once_category_is_known():
+    """The first task runs alone (unknown cost); once it is cheap, the rest is one task."""
+    s = make(chain(10), {"k9"}, fusion=Fusion(), category=lambda k: "c")
+    (first,) = submits(s.start())
+    assert first.keys == ("k0",)
+    (rest,) = submits(finish(s, first))
+    assert rest.keys == tuple(f"k{i}" for i in range(1, 10))
+    assert rest.inputs == ("k0",) and rest.root == "k9"
+    out = finish(s, rest)
+    assert out == [Release("k0")] and s.done
+
+
+def test_chain_is_not_fused_when_slow_or_disabled():
+    """Slow categories and ``enabled=False`` keep one Ray task per key."""
+    for fusion, seconds in [(Fusion(), 0.1), (Fusion(enabled=False), CHEAP)]:
+        s = make(chain(4), {"k3"}, fusion=fusion, category=lambda k: "c")
+        sub = submits(s.start())[0]
+        count = 1
+        while not s.done:
+            (sub,) = submits(finish(s, sub, seconds))
+            assert len(sub.keys) == 1
+            count += 1
+            if sub.root == "k3":
+                finish(s, sub, seconds)
+        assert count == 4
+
+
+def test_max_group_size_caps_a_chain():
+    """A long cheap chain splits into groups of at most ``max_group_size``."""
+    s = make(chain(10), {"k9"}, fusion=Fusion(max_group_size=3), category=lambda k: "c")
+    (sub,) = submits(s.start())
+    groups = [sub.keys]
+    while True:
+        out = finish(s, sub)
+        if s.done:
+            break
+        (sub,) = submits(out)
+        groups.append(sub.keys)
+    assert groups == [("k0",), ("k1", "k2", "k3"), ("k4", "k5", "k6"), ("k7", "k8", "k9")]
+
+
+def test_max_group_duration_caps_a_chain():
+    """Groups stop growing at the time budget, counted from the learned means."""
+    s = make(chain(7), {"k6"}, fusion=Fusion(max_group_duration=0.0035), category=lambda k: "c")
+    (sub,) = submits(s.start())
+    sizes = []
+    while True:
+        out = finish(s, sub)
+        if s.done:
+            break
+        (sub,) = submits(out)
+        sizes.append(len(sub.keys))
+    assert sizes == [3, 3]
+
+
+def reduction_tree() -> dict:
+    deps: dict = {f"leaf{i}": set() for i in range(16)}
+    deps |= {f"mid{j}": {f"leaf{4 * j + i}" for i in range(4)} for j in range(4)}
+    deps["top"] = {f"mid{j}" for j in range(4)}
+    return deps
+
+
+def test_reduction_tree_fuses_into_few_groups():
+    """A 4-way tree over fresh leaves becomes a couple of Ray tasks, not 21."""
+    deps = reduction_tree()
+    sc = Scenario(
+        dependencies=deps,
+        priorities=dask_priorities(deps),
+        outputs={"top"},
+        available=set(),
+        resources={},
+        retries={},
+        capacity=1,
+        fusion=Fusion(),
+        categories=dict.fromkeys(deps, "c"),
+        durations={"c": CHEAP},
+    )
+    d = Driver(sc)
+    run_to_end(d, lambda gids: gids[0])
+    first = min(deps, key=sc.priorities.__getitem__)  # a leaf: runs alone, unknown cost
+    assert [s.keys for s in d.submits[:1]] == [(first,)]
+    assert len(d.submits) == 2
+    assert set(d.submits[1].keys) == set(deps) - {first}
+    assert d.submits[1].inputs == (first,)
+
+    sc.capacity = 4  # four leaves start unfused, the rest still fuses
+    d = Driver(sc)
+    run_to_end(d, lambda gids: gids[-1])
+    assert len(d.submits) < 10
+    assert any(len(s.keys) >= 5 for s in d.submits)
+
+
+def test_resources_cost_slots_and_priority_is_strict():
+    """A CPU=2 task takes two slots; cheaper, lower-priority work does not jump ahead."""
+    deps = {"a": set(), "b": set(), "c": set()}
+    prio = {"b": 0, "a": 1, "c": 2}
+    s = State(deps, prio, set(deps), capacity=2, resources={"a": {"CPU": 2}})
+    (b,) = submits(s.start())  # "a" does not fit beside "b", and "c" must wait for "a"
+    assert b.keys == ("b",)
+    (a,) = submits(finish(s, b))
+    assert a.keys == ("a",) and a.resources == {"CPU": 2}
+    (c,) = submits(finish(s, a))
+    assert c.keys == ("c",)
+    finish(s, c)
+    assert s.done
+
+
+def test_oversized_task_runs_alone():
+    """A task larger than the whole capacity still runs, once nothing else does."""
+    deps = {"a": set(), "b": set()}
+    s = State(deps, {"a": 0, "b": 1}, set(deps), capacity=1, resources={"b": {"CPU": 4}})
+    (a,) = submits(s.start())
+    (b,) = submits(finish(s, a))
+    assert b.root == "b"
+    assert submits(s.handle(CapacityChanged(8))) == []
+    finish(s, b)
+    assert s.done
+
+
+def test_capacity_increase_submits_more():
+    """More slots (a node joined) are filled at once."""
+    deps = {f"x{i}": set() for i in range(5)}
+    s = make(deps, set(deps), capacity=1)
+    assert len(submits(s.start())) == 1
+    assert len(submits(s.handle(CapacityChanged(3)))) == 2
+    s.validate_state()
+
+
+def test_fatal_error_cancels_releases_and_fails():
+    """A non-retryable error: cancel the rest, free what is held, report it once."""
+    deps = {"a": set(), "b": {"a"}, "c": {"a"}, "d": {"b", "c"}, "e": set()}
+    s = make(deps, {"d", "e"}, capacity=3)
+    (a, e) = sorted(submits(s.start()), key=lambda x: x.root)
+    (b, c) = sorted(submits(finish(s, a)), key=lambda x: x.root)
+    err = ValueError("bad")
+    out = s.handle(TaskErred(b.group, "b", err))
+    s.validate_state()
+    assert set(out[:-1]) == {Cancel(e.group), Cancel(c.group), Release("a")}
+    assert out[-1] == Fail("b", err)
+    assert s.done
+    assert s.handle(TaskFinished(c.group, {"c": CHEAP})) == []
+
+
+def test_retryable_error_resubmits_then_fails():
+    """A lost worker retries the same group ``default_retries`` times, then fails."""
+    s = make({"a": set()}, {"a"}, default_retries=2)
+    (a,) = submits(s.start())
+    for attempt in (1, 2):
+        out = s.handle(TaskErred(a.group, "a", OSError(), retryable=True))
+        assert out == [dataclasses.replace(a, attempt=attempt)]
+        s.validate_state()
+    err = OSError("gone")
+    (fail,) = s.handle(TaskErred(a.group, "a", err, retryable=True))
+    assert_fails(fail, "a", err, retryable=True)
+    assert s.done
+
+
+def test_retries_annotation_retries_user_errors():
+    """``retries={key: n}`` retries even a user error n times; a success then counts."""
+    s = make({"a": set(), "b": {"a"}}, {"b"}, retries={"a": 1})
+    (a,) = submits(s.start())
+    out = s.handle(TaskErred(a.group, "a", ValueError()))
+    assert out == [dataclasses.replace(a, attempt=1)]
+    (b,) = submits(finish(s, a))
+    assert b.root == "b"
+    err = ValueError("b")
+    assert s.handle(TaskErred(b.group, "b", err)) == [Release("a"), Fail("b", err)]
+
+
+def test_retries_annotation_raises_the_retryable_limit():
+    """A lost worker gets the larger of ``retries`` and ``default_retries``."""
+    s = make({"a": set()}, {"a"}, retries={"a": 2}, default_retries=1)
+    (a,) = submits(s.start())
+    for attempt in (1, 2):
+        out = s.handle(TaskErred(a.group, "a", OSError(), retryable=True))
+        assert out == [dataclasses.replace(a, attempt=attempt)]
+    err = OSError("gone")
+    (fail,) = s.handle(TaskErred(a.group, "a", err, retryable=True))
+    assert_fails(fail, "a", err, retryable=True)
+
+
+def test_abort_cancels_and_releases_everything():
+    """Ctrl-C: every group cancelled, every held value (outputs too) released."""
+    s = make(DIAMOND, {"d"}, capacity=1)
+    (a,) = submits(s.start())
+    (b,) = submits(finish(s, a))
+    out = s.handle(Aborted())
+    s.validate_state()
+    assert set(out) == {Cancel(b.group), Release("a")}
+    assert s.done
+    assert s.handle(TaskFinished(b.group)) == []
+
+
+def test_available_keys_are_read_not_run():
+    """Given values are never submitted and are freed after their readers, or at once."""
+    deps = {"x": set(), "unused": set(), "y": {"x"}, "z": {"y", "x"}}
+    s = make(deps, {"z"}, available={"x", "unused"})
+    out = s.start()
+    assert releases(out) == {"unused"}
+    (y,) = submits(out)
+    assert y.inputs == ("x",)
+    (z,) = submits(finish(s, y))
+    assert set(z.inputs) == {"x", "y"}
+    assert releases(finish(s, z)) == {"x", "y"} and s.done
+
+
+@pytest.mark.parametrize("fusion", [Fusion(), Fusion(enabled=False)])
+def test_everything_available(fusion):
+    """Nothing to run: done straight away, nothing submitted."""
+    s = make({"a": set()}, {"a"}, available={"a"}, fusion=fusion)
+    assert s.start() == [] and s.done
+
+
+# ---- recovery examples ----------------------------------------------------------
+
+
+def recovers(out: list) -> list[Recover]:
+    return [i for i in out if isinstance(i, Recover)]
+
+
+def cancels(out: list) -> set:
+    return {i.group for i in out if isinstance(i, Cancel)}
+
+
+def test_lost_value_recomputes_its_released_inputs_in_one_wave():
+    """a -> b -> c -> d with c held, a and b released: losing c reruns a, b, c, then d."""
+    deps = {"a": set(), "b": {"a"}, "c": {"b"}, "d": {"c"}}
+    s = make(deps, {"d"})
+    (a,) = submits(s.start())
+    (b,) = submits(finish(s, a))
+    out = finish(s, b)
+    (c,) = submits(out)
+    assert releases(out) == {"a"}
+    out = s.handle(TaskFinished(c.group, {"c": CHEAP}, 8, node="n1"))
+    (d,) = submits(out)
+    assert releases(out) == {"b"} and s.where["c"] == "n1"
+
+    out = s.handle(ResultsLost(("c",), "n1 died"))
+    s.validate_state()
+    (rec,) = recovers(out)
+    assert rec.wave == 1 and rec.lost == ("c",) and rec.reason == "n1 died"
+    assert sorted(rec.recompute) == ["a", "b", "c"]
+    assert cancels(out) == {d.group}  # d was reading c
+    assert "c" not in s.where
+    (a2,) = submits(out)
+    assert a2.keys == ("a",) and s.recovering == {"a", "b", "c"}
+    (b2,) = submits(finish(s, a2))
+    (c2,) = submits(finish(s, b2))
+    (d2,) = submits(finish(s, c2))
+    assert d2.keys == ("d",) and d2.group != d.group and not s.recovering
+    assert finish(s, d) == []  # the cancelled run's result changes nothing
+    assert releases(finish(s, d2)) == {"c"} and s.done
+    assert s.wave == 1
+
+
+def test_fan_in_losing_three_inputs_is_one_wave():
+    """Six inputs of one reduction, three lost at once: one wave, just those three."""
+    deps: dict = {f"x{i}": set() for i in range(6)} | {"y": {f"x{i}" for i in range(6)}}
+    s = make(deps, {"y"}, capacity=6)
+    subs = {sub.root: sub for sub in submits(s.start())}
+    assert len(subs) == 6
+    for i in range(4):
+        finish(s, subs[f"x{i}"])
+    out = s.handle(ResultsLost(("x0", "x1", "x2", "x4", "nope")))  # x4 is not held yet
+    s.validate_state()
+    (rec,) = recovers(out)
+    assert rec.wave == 1 and rec.lost == ("x0", "x1", "x2")
+    assert sorted(rec.recompute) == ["x0", "x1", "x2"]
+    assert not cancels(out)  # y was not running yet: nothing to cancel
+    again = submits(out)
+    assert sorted(sub.root for sub in again) == ["x0", "x1", "x2"]
+    for sub in again + [subs["x4"], subs["x5"]]:
+        assert not submits(finish(s, sub)) or sub is subs["x5"]
+    assert s.state["y"] == "processing" and s.done is False
+
+
+def test_loss_cancels_readers_in_flight_and_recovery_goes_first():
+    """The reader of a lost value is cancelled; the lost value runs before other work."""
+    deps = {"a": set(), "b": {"a"}, "c": {"a"}, "d": {"b", "c"}, "e": set()}
+    prio = {"a": 0, "b": 1, "c": 2, "d": 3, "e": 4}
+    s = State(deps, prio, {"d", "e"}, capacity=1)
+    (a,) = submits(s.start())
+    (b,) = submits(finish(s, a))  # c and e wait for the slot
+    out = s.handle(ResultsLost(("a",)))
+    s.validate_state()
+    assert cancels(out) == {b.group}
+    assert recovers(out) == [Recover(1, ("a",), ("a",), "")]
+    (a2,) = submits(out)
+    assert a2.keys == ("a",)
+    assert s.handle(TaskFinished(b.group, {"b": CHEAP})) == []  # late: ignored
+    assert s.handle(TaskErred(b.group, "b", OSError(), node_lost=True)) == []
+    s.validate_state()
+    (b2,) = submits(finish(s, a2))
+    assert b2.keys == ("b",) and b2.group != b.group
+
+
+def test_recovery_tier_goes_ahead_of_better_priorities():
+    """A recomputed key runs before ready normal work, whatever their priorities."""
+    deps = {"e": set(), "a": set(), "b": {"a"}, "f": set()}
+    prio = {"e": 0, "a": 1, "f": 2, "b": 3}
+    s = State(deps, prio, {"e", "b", "f"}, capacity=1)
+    (e,) = submits(s.start())
+    (a,) = submits(finish(s, e))
+    (f,) = submits(finish(s, a))  # b (priority 3) waits behind f (priority 2)
+    assert f.keys == ("f",)
+    out = s.handle(ResultsLost(("e",)))  # an output: held, so recomputed
+    assert recovers(out)[0].recompute == ("e",) and not submits(out)  # the slot is taken
+    (e2,) = submits(finish(s, f))
+    assert e2.keys == ("e",)  # ahead of b
+    (b,) = submits(finish(s, e2))
+    assert b.keys == ("b",)
+
+
+def test_losing_nothing_held_does_nothing():
+    s = make(DIAMOND, {"d"})
+    (a,) = submits(s.start())
+    assert s.handle(ResultsLost(("a", "b", "d", "unknown"))) == []
+    assert s.wave == 0
+    s.validate_state()
+
+
+def test_losing_a_given_value_without_lineage_fails():
+    """No lineage here for a fixed given value: the compute fails, all is released."""
+    deps = {"x": set(), "y": {"x"}, "z": {"y"}}
+    s = make(deps, {"z"}, available={"x"}, fixed={"x"})
+    (y,) = submits(s.start())
+    out = s.handle(ResultsLost(("x",), "n2 died"))
+    s.validate_state()
+    assert out[:-1] == [Cancel(y.group), Release("x")]
+    fail = out[-1]
+    assert isinstance(fail, Fail) and fail.key == "x" and "n2 died" in str(fail.error)
+    assert s.done and s.handle(TaskFinished(y.group)) == []
+
+
+def test_losing_a_given_value_with_lineage_recomputes_it_unfused():
+    """A given value whose task is here reruns from its lineage, as its own Ray task.
+
+    ``p`` is lineage only (released from the start). Once ``g`` is lost, ``p`` and
+    ``g`` run again; ``g`` may end a group but is never fused into its consumer (its
+    value must reach the object store for the Ray layer to hand back to its owner).
+    """
+    deps = {"s": set(), "p": set(), "g": {"p"}, "h": {"g"}}
+    prio = {"s": 0, "h": 1, "g": 2, "p": 3}
+    s = State(
+        deps, prio, {"s", "h"}, capacity=1, available={"g"}, fusion=Fusion(), category=lambda k: "c"
+    )
+    (first,) = submits(s.start())
+    assert first.keys == ("s",) and s.state["p"] == "released"
+    out = s.handle(ResultsLost(("g",)))
+    (rec,) = recovers(out)
+    assert sorted(rec.recompute) == ["g", "p"]
+    (g,) = submits(finish(s, first))  # all cheap now, yet h is not pulled in
+    assert g.keys == ("p", "g") and g.inputs == ()
+    (h,) = submits(finish(s, g))
+    assert h.keys == ("h",)
+    assert releases(finish(s, h)) == {"g"} and s.done
+
+
+def test_node_lost_does_not_use_up_retries():
+    """A dead node retries the same group as often as it happens, even with no retries."""
+    s = make({"a": set(), "b": {"a"}}, {"b"}, default_retries=0)
+    (a,) = submits(s.start())
+    for _ in range(5):
+        assert s.handle(TaskErred(a.group, "a", OSError(), node_lost=True)) == [a]
+        s.validate_state()
+    (b,) = submits(finish(s, a))
+    err = OSError("worker")
+    (fail,) = s.handle(TaskErred(b.group, "b", err, retryable=True))[-1:]
+    assert_fails(fail, "b", err, retryable=True)  # a dead worker still counts
+
+
+def test_cheap_tasks_take_a_fraction_of_a_slot():
+    """Once a category is measured cheap, ``cheap_cost`` slots each: more in flight."""
+    deps = {f"x{i}": set() for i in range(10)}
+    s = make(deps, set(deps), capacity=1, category=lambda k: "c", cheap_cost=0.25)
+    (first,) = submits(s.start())  # not measured yet: a whole slot
+    assert s.used == 1.0
+    out = finish(s, first)
+    assert len(submits(out)) == 4 and s.used == 1.0
+    s = make(deps, set(deps), capacity=1, category=lambda k: "c", cheap_cost=0.25)
+    (first,) = submits(s.start())
+    assert len(submits(finish(s, first, seconds=SLOW))) == 1  # slow: a whole slot each
+
+
+def test_fused_group_that_does_not_fit_runs_its_head_alone():
+    """A group measured too long to be cheap costs a whole slot: if that does not fit
+    beside what runs, its first task goes alone, at the cheap cost it was admitted at.
+    """
+    deps = {"s": set(), "t": set()} | chain(6)
+    prio = {"s": 0, "t": 1} | {f"k{i}": 2 + i for i in range(6)}
+    s = State(
+        deps,
+        prio,
+        {"s", "t", "k5"},
+        capacity=1,
+        fusion=Fusion(),
+        category=lambda k: "c",
+        cheap_cost=0.5,
+    )
+    (first,) = submits(s.start())
+    t, k0 = submits(finish(s, first))
+    assert t.keys == ("t",)
+    assert k0.keys == ("k0",)  # k0..k5 would be 6 * CHEAP > max_task_duration: 1 slot
+    assert s.used == 1.0
+    finish(s, t)
+    (rest,) = submits(finish(s, k0))
+    assert rest.keys == tuple(f"k{i}" for i in range(1, 6))  # 5 * CHEAP: cheap again
+    assert s.used == 0.5
