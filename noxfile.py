@@ -1,5 +1,8 @@
 """Test sessions: lint, the newest dask, and the HEP stack's older dask (what dask-awkward pins)."""
 
+import os
+import shutil
+
 import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
@@ -14,10 +17,33 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+
+
+def ensure_chromium(session: nox.Session) -> None:
+    """tests/test_report.py opens the HTML report in a headless chromium.
+
+    Installed with apt-get when it is missing and we may (root, Debian or Ubuntu);
+    otherwise those tests skip, saying why.
+    """
+    if any(shutil.which(b) for b in BROWSERS):
+        return
+    if not shutil.which("apt-get") or not hasattr(os, "geteuid") or os.geteuid() != 0:
+        session.warn("no chromium and cannot apt-get it: the report's browser tests will skip")
+        return
+    env = {"DEBIAN_FRONTEND": "noninteractive"}
+    session.run_install("apt-get", "update", "-qq", external=True, env=env)
+    session.run_install(
+        "apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium",
+        external=True, env=env,
+    )  # fmt: skip
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """The newest dask and ray."""
     session.install("-e", ".[test]")
+    ensure_chromium(session)
     session.run(
         "python", "-c", "import dask, ray; print('dask', dask.__version__, 'ray', ray.__version__)"
     )
@@ -28,6 +54,7 @@ def tests(session: nox.Session) -> None:
 def tests_hep(session: nox.Session) -> None:
     """coffea + dask-awkward, which pin an older dask (2025.3.x)."""
     session.install("-e", ".[test,hep]")
+    ensure_chromium(session)
     session.run("python", "-c", "import dask, dask_awkward; print('dask', dask.__version__)")
     session.run("pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
 

@@ -28,7 +28,9 @@ from __future__ import annotations
 import argparse
 import gc
 import graphlib
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import asdict, dataclass
@@ -175,6 +177,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per contender")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument(
+        "--record",
+        action="store_true",
+        help="also run raydag with its run record off, and written to disk (#7)",
+    )
     args = ap.parse_args()
 
     runtime.connect()  # one embedded Ray with raydag's settings, for every Ray contender
@@ -220,6 +227,15 @@ def main() -> None:
             },
         ),
     }
+    if args.record:  # raydag keeps the last run's record in memory by default
+        record_dir = tempfile.mkdtemp(prefix="raydag-bench-runs-")
+        for x, (_, _, contenders) in zip((chains, array), graphs.values(), strict=True):
+            contenders["raydag record off"] = dask_with(
+                x, raydag.ray_get, **{"raydag.record.enabled": False}
+            )
+            contenders["raydag record to disk"] = dask_with(
+                x, raydag.ray_get, **{"raydag.record.directory": record_dir}
+            )
     print(f"tasks   : chains {len(g_chains)}, array {len(g_array)} (as handed to a get)")
     print(f"timing  : 1 warm-up, then median of {args.repeats} runs (best also shown)")
     print()
@@ -261,6 +277,18 @@ def main() -> None:
     )
     print()
     print("x ray_dask_get, x raw Ray: that contender's median seconds / this one's (>1: faster)")
+    if args.record:
+        shutil.rmtree(record_dir, ignore_errors=True)
+        print()
+        print("run record cost, median over 'raydag record off' (positive: slower):")
+        for name in graphs:
+            by = {r.contender: r for r in results if r.graph == name}
+            off = by["raydag record off"].median
+            for c, what in (
+                ("raydag", "in memory (default)"),
+                ("raydag record to disk", "to disk"),
+            ):
+                print(f"  {name:7} {what:20} {100 * (by[c].median / off - 1):+6.1f} %")
 
     if args.json:
         info["results"] = [

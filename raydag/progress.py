@@ -112,7 +112,7 @@ class Progress:
         elif event is None:
             self._open()
         else:
-            if cls is TaskErred:
+            if cls is TaskErred and not event.node_lost:  # a lost node is no task's failure
                 self.failed += 1
             for ins in instructions:
                 if type(ins) is Recover:
@@ -130,12 +130,21 @@ class Progress:
         self.store_capacity = sum(s.capacity_bytes for s in stats.values())
 
     def _open(self) -> None:
-        from tqdm.auto import tqdm
-
         s = self.state.state
         todo = sum(1 for v in s.values() if v in (WAITING, READY, PROCESSING))
         args = {k: v for k, v in self._bar_args.items() if v is not None}
-        self._bar = tqdm(total=todo, unit="task", dynamic_ncols=True, leave=True, **args)
+        args.update(total=todo, unit="task", dynamic_ncols=True, leave=True)
+        try:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(**args)
+        except Exception:  # e.g. Jupyter without ipywidgets: text instead of a widget
+            from tqdm.std import tqdm as text_tqdm
+
+            try:
+                self._bar = text_tqdm(**args)
+            except Exception:
+                logger.warning("raydag: no progress display", exc_info=True)
 
     def postfix(self) -> str:
         st = self.state
@@ -153,9 +162,13 @@ class Progress:
         bar = self._bar
         if bar is None:
             return
-        bar.n = self.done
-        bar.set_postfix_str(self.postfix(), refresh=False)
-        bar.refresh()
+        try:
+            bar.n = self.done
+            bar.set_postfix_str(self.postfix(), refresh=False)
+            bar.refresh()
+        except Exception:  # a display must never stop a compute (a closed stream, say)
+            logger.warning("raydag: progress display stopped", exc_info=True)
+            self._bar = None
 
     def close(self, error: BaseException | None = None) -> None:
         bar = self._bar

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
 import json
 import logging
 import os
@@ -149,9 +150,11 @@ class Recorder:
         self.samples: list[Sample] = []
         self.nodes = dict(nodes or {})
         self._alive_nodes = alive_nodes
+        self._end: tuple[float, float] | None = None
         self.meta: dict[str, Any] = {
             "format": FORMAT,
-            "id": f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(self.wall0))}-{secrets.token_hex(3)}",
+            "id": time.strftime("%Y%m%d-%H%M%S-", time.localtime(self.wall0))
+            + secrets.token_hex(3),
             "started_at": _iso(self.wall0),
             "graph": _graph_meta(graph) if graph is not None else {},
             "nodes_at_start": {n: {"cpus": c} for n, c in self.nodes.items()},
@@ -192,11 +195,17 @@ class Recorder:
     def add_samples(self, samples: Sequence[Sample]) -> None:
         self.samples.extend(samples)
 
+    def stop(self) -> None:
+        """The compute's end, taken before the sampler's last round and other teardown."""
+        if self._end is None:
+            self._end = (time.time(), self.clock() - self.t0)
+
     def finish(self, error: BaseException | None = None) -> RunRecord:
         """The compute is over: close the metadata, hand back the (lazily built) record."""
-        end = time.time()
-        self.meta["ended_at"] = _iso(end)
-        self.meta["wall_seconds"] = self.clock() - self.t0
+        self.stop()
+        assert self._end is not None
+        self.meta["ended_at"] = _iso(self._end[0])
+        self.meta["wall_seconds"] = self._end[1]
         if error is None:
             self.meta["status"] = "ok"
         elif isinstance(error, KeyboardInterrupt):
@@ -215,134 +224,142 @@ class Recorder:
     # ---- replay -------------------------------------------------------------------
 
     def event_rows(self) -> list[tuple]:
-        """The transcript replayed into rows, in ``EVENT_COLUMNS`` order (without category, run)."""
+        """The transcript replayed into rows, tuples in ``EVENT_COLUMNS`` order.
+
+        One tuple per task per event: this is the record's main cost, paid only
+        when the tables are wanted.
+        """
         rows: list[tuple] = []
         add = rows.append
         wall0 = self.wall0
+        names = _Names()  # key -> (str(key), category)
         # group id -> (keys, attempt, wave, duplicate, input bytes), while in flight
         groups: dict[int, tuple] = {}
-        running: dict[Any, int] = {}  # key -> Ray tasks computing it now
-        nbytes: dict[Any, int] = {}  # key -> size of its latest value
+        # A copy of a group computes the same last key (its root), so roots suffice:
+        running: dict[Any, int] = {}  # root -> groups in flight making it
+        done: set = set()  # roots made since they were last lost
+        nbytes: dict[Any, int] = {}  # root -> size of its latest value
         recovering: dict[Any, int] = {}  # key -> recovery wave
-        done: set = set()  # keys with a value made since they were last lost
 
-        def stop(keys: tuple) -> None:
-            for k in keys:
-                n = running.get(k, 0) - 1
-                if n > 0:
-                    running[k] = n
-                else:
-                    running.pop(k, None)
+        def stop(root: Any) -> None:
+            n = running.pop(root, 1) - 1
+            if n:
+                running[root] = n
 
+        def other(t: float, seq: int, event: str, node: str | None = None,
+                  slots: float | None = None) -> None:  # fmt: skip
+            add((t, seq, event, None, None, None, None, None, node, None, None, None, None,
+                 None, slots, None, 0))  # fmt: skip
+
+        # time, seq, event, key, category, group, attempt, wave, node, worker, nbytes,
+        # input_bytes, duration, duplicate, slots, reason, run
         for seq, (t, ev, instructions) in enumerate(self.transcript):
             cls = type(ev)
             if cls is TaskFinished:
-                g = groups.pop(ev.group, None)
+                group = ev.group
+                g = groups.pop(group, None)
                 durations = ev.durations
-                if g is None:
+                if g is None:  # cancelled earlier, or unknown: a copy that lost
                     keys, attempt, wave, dup, inb = tuple(durations), 0, 0, False, None
                 else:
                     keys, attempt, wave, dup, inb = g
-                    stop(keys)
-                start = (ev.started - wall0) if ev.started else t - sum(durations.values())
-                root = keys[-1] if keys else None
+                    stop(keys[-1])
+                if not keys:
+                    continue
+                root = keys[-1]
                 kind = SUPERSEDED if (g is None or root in done) else FINISHED
-                for k in keys:
-                    d = durations.get(k)
-                    last = k == root
-                    add((start, seq, STARTED, k, ev.group, attempt, wave, ev.node, ev.worker,
-                         None, None, None, dup, None, None))  # fmt: skip
+                start = (ev.started - wall0) if ev.started else t - sum(durations.values())
+                node, worker = ev.node, ev.worker
+                get = durations.get
+                for k in keys[:-1]:  # fused members: no value kept, no sizes
+                    d = get(k)
+                    name, cat = names[k]
+                    add((start, seq, STARTED, name, cat, group, attempt, wave, node, worker,
+                         None, None, None, dup, None, None, 0))  # fmt: skip
                     if d is not None:
                         start += d
-                    add((start, seq, kind, k, ev.group, attempt, wave, ev.node, ev.worker,
-                         ev.nbytes if last else None, inb if last else None, d, dup, None,
-                         None))  # fmt: skip
+                    add((start, seq, kind, name, cat, group, attempt, wave, node, worker,
+                         None, None, d, dup, None, None, 0))  # fmt: skip
+                d = get(root)
+                name, cat = names[root]
+                add((start, seq, STARTED, name, cat, group, attempt, wave, node, worker,
+                     None, None, None, dup, None, None, 0))  # fmt: skip
+                add((start + (d or 0.0), seq, kind, name, cat, group, attempt, wave, node,
+                     worker, ev.nbytes, inb, d, dup, None, None, 0))  # fmt: skip
                 if kind is FINISHED:
-                    done.update(keys)
+                    done.add(root)
                     nbytes[root] = ev.nbytes
-                    for k in keys:
-                        recovering.pop(k, None)
+                    if recovering:
+                        for k in keys:
+                            recovering.pop(k, None)
             elif cls is NodeChange:
-                add((t, seq, NODE_JOINED if ev.joined else NODE_LOST, None, None, None, None,
-                     ev.node, None, None, None, None, None, ev.cpus, None))  # fmt: skip
+                other(t, seq, NODE_JOINED if ev.joined else NODE_LOST, ev.node, ev.cpus)
             elif cls is TaskErred:
                 g = groups.pop(ev.group, None)
                 if g is not None:
-                    stop(g[0])
+                    stop(g[0][-1])
                     again = [i for i in instructions if type(i) is Submit and i.group == ev.group]
                     if again:
                         why = ("node lost: " if ev.node_lost else "") + str(ev.error)
-                        add((t, seq, RETRIED, ev.key, ev.group, again[0].attempt, g[2], None, None,
-                             None, None, None, g[3], None, why))  # fmt: skip
+                        add((t, seq, RETRIED, *names[ev.key], ev.group, again[0].attempt, g[2],
+                             None, None, None, None, None, g[3], None, why, 0))  # fmt: skip
             elif cls is CapacityChanged:
-                add((t, seq, CAPACITY, None, None, None, None, None, None, None, None, None, None,
-                     ev.slots, None))  # fmt: skip
+                other(t, seq, CAPACITY, slots=ev.slots)
             elif cls is Aborted:
-                add((t, seq, ABORTED, None, None, None, None, None, None, None, None, None, None,
-                     None, None))  # fmt: skip
+                other(t, seq, ABORTED)
 
             for ins in instructions:
                 icls = type(ins)
                 if icls is Release:
-                    add((t, seq, RELEASED, ins.key, None, None, None, None, None, None, None, None,
-                         None, None, None))  # fmt: skip
+                    name, cat = names[ins.key]
+                    add((t, seq, RELEASED, name, cat, None, None, None, None, None, None,
+                         None, None, None, None, None, 0))  # fmt: skip
                 elif icls is Submit:
                     keys = ins.keys
-                    dup = any(k in running for k in keys)
-                    wave = max((recovering.get(k, 0) for k in keys), default=0) if recovering else 0
+                    root = keys[-1]
+                    dup = root in running
+                    running[root] = running.get(root, 0) + 1
+                    wave = max(recovering.get(k, 0) for k in keys) if recovering else 0
                     inb = sum(nbytes.get(k) or 0 for k in ins.inputs)
-                    groups[ins.group] = (keys, ins.attempt, wave, dup, inb)
+                    group, attempt = ins.group, ins.attempt
+                    groups[group] = (keys, attempt, wave, dup, inb)
                     kind = DUPLICATED if dup else SUBMITTED
                     for k in keys:
-                        running[k] = running.get(k, 0) + 1
-                        add((t, seq, kind, k, ins.group, ins.attempt, wave, None, None, None,
-                             None, None, dup, None, None))  # fmt: skip
+                        name, cat = names[k]
+                        add((t, seq, kind, name, cat, group, attempt, wave, None, None, None,
+                             None, None, dup, None, None, 0))  # fmt: skip
                 elif icls is Cancel:
                     g = groups.pop(ins.group, None)
                     if g is not None:
-                        stop(g[0])
+                        stop(g[0][-1])
                         for k in g[0]:
-                            add((t, seq, CANCELLED, k, ins.group, g[1], g[2], None, None, None,
-                                 None, None, g[3], None, None))  # fmt: skip
+                            add((t, seq, CANCELLED, *names[k], ins.group, g[1], g[2], None, None,
+                                 None, None, None, g[3], None, None, 0))  # fmt: skip
                 elif icls is Fail:
-                    add((t, seq, FAILED, ins.key, None, None, None, None, None, None, None, None,
-                         None, None, str(ins.error)))  # fmt: skip
+                    add((t, seq, FAILED, *names[ins.key], None, None, None, None, None, None,
+                         None, None, None, None, str(ins.error), 0))  # fmt: skip
                 elif icls is Recover:
                     for k in ins.lost:
                         done.discard(k)
-                        add((t, seq, LOST, k, None, None, ins.wave, None, None, nbytes.get(k),
-                             None, None, None, None, ins.reason))  # fmt: skip
+                        add((t, seq, LOST, *names[k], None, None, ins.wave, None, None,
+                             nbytes.get(k), None, None, None, None, ins.reason, 0))  # fmt: skip
                     for k in ins.recompute:
                         done.discard(k)
                         recovering[k] = ins.wave
-                        add((t, seq, RECOVERY, k, None, None, ins.wave, None, None, None, None,
-                             None, None, None, ins.reason))  # fmt: skip
+                        add((t, seq, RECOVERY, *names[k], None, None, ins.wave, None, None, None,
+                             None, None, None, None, ins.reason, 0))  # fmt: skip
         return rows
 
     def events_table(self) -> pa.Table:
         import pyarrow as pa
+        import pyarrow.compute as pc
 
-        rows = self.event_rows()
-        n_raw = len(EVENT_COLUMNS) - 2  # category and run are added here
-        columns = list(zip(*rows, strict=True)) if rows else [()] * n_raw
-        names = {}
-        categories = {}
-        for k in set(columns[3]):
-            if k is not None:
-                names[k] = str(k)
-                categories[k] = key_split(k)
-        keys = columns[3]
-        columns[3] = [names.get(k) for k in keys]
-        columns.insert(4, [categories.get(k) for k in keys])
-        columns.append([0] * len(rows))
-        arrays = [
-            pa.array(col, type=_arrow_type(t))
-            for col, (_, t, _) in zip(columns, EVENT_COLUMNS, strict=True)
-        ]
-        table = pa.Table.from_arrays(arrays, schema=events_schema())
-        if rows:
-            import pyarrow.compute as pc
-
+        with _no_gc():  # tens of thousands of fresh tuples, no cycles: spare the collector
+            rows = self.event_rows()
+            # Arrow converts the tuples itself, far faster than column lists in Python.
+            table = pa.Table.from_struct_array(pa.array(rows, type=pa.struct(events_schema())))
+            del rows
+        if table.num_rows:
             table = table.take(
                 pc.sort_indices(table, [("time", "ascending"), ("seq", "ascending")])
             )
@@ -367,6 +384,25 @@ class Recorder:
             for c, (_, t, _) in zip(cols, STORE_COLUMNS, strict=True)
         ]
         return pa.Table.from_arrays(arrays, schema=stores_schema())
+
+
+class _Names(dict):
+    """key -> (its string, its category), each computed once per key."""
+
+    def __missing__(self, key: Any) -> tuple[str | None, str | None]:
+        value = self[key] = (None, None) if key is None else (str(key), key_split(key))
+        return value
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _to_pandas(table: pa.Table) -> pd.DataFrame:
@@ -467,38 +503,50 @@ class RunRecord:
         return done[cols].reset_index(drop=True)
 
     def summary(self) -> dict[str, Any]:
-        """The numbers a report leads with."""
-        ev = self.events_table.to_pandas()
-        finished = ev[ev.event == FINISHED]
-        dup_won = finished[finished.duplicate.fillna(False).astype(bool)]
-        st = self.stores_table.to_pandas()
-        spilled = 0
-        peak = 0
-        if len(st):
-            per_node = st.groupby(["run", "node"]).spilled_bytes
-            spilled = int((per_node.max() - per_node.min()).sum())
-            peak = int(st.groupby(["run", "time"]).used_bytes.sum().max())
+        """The numbers a report leads with (computed in Arrow: cheap enough to write each run)."""
+        import pyarrow.compute as pc
+
+        ev = self.events_table.select(["event", "run", "group", "wave", "duplicate", "nbytes"])
+        counts = pc.value_counts(ev["event"])
+        n = dict(zip(counts.field(0).to_pylist(), counts.field(1).to_pylist(), strict=True))
+
+        def rows(event: str) -> pa.Table:
+            return ev.filter(pc.equal(ev["event"], event))
+
+        def distinct(table: pa.Table, columns: list[str]) -> int:
+            return table.select(columns).group_by(columns).aggregate([]).num_rows
+
+        finished = rows(FINISHED)
+        won = finished.filter(pc.fill_null(finished["duplicate"], False))
+        st = self.stores_table
+        spilled = peak = 0
+        if st.num_rows:
+            per_node = st.group_by(["run", "node"]).aggregate(
+                [("spilled_bytes", "max"), ("spilled_bytes", "min")]
+            )
+            grown = pc.subtract(per_node["spilled_bytes_max"], per_node["spilled_bytes_min"])
+            spilled = pc.sum(grown).as_py() or 0
+            rounds = st.group_by(["run", "time"]).aggregate([("used_bytes", "sum")])
+            peak = pc.max(rounds["used_bytes_sum"]).as_py() or 0
         runs = self.meta.get("runs", [self.meta])
         return {
             "status": _worst(r.get("status", "ok") for r in runs),
             "computes": len(runs),
             "makespan_s": float(self.meta.get("wall_seconds") or 0.0),
             "tasks": int(sum(r.get("graph", {}).get("tasks", 0) for r in runs)),
-            "executions": int(len(finished)),
-            "retries": int((ev.event == RETRIED).sum()),
-            "failures": int((ev.event == FAILED).sum()),
-            "cancelled": int((ev.event == CANCELLED).sum()),
-            "recovery_waves": int(
-                ev.loc[ev.event == RECOVERY, ["run", "wave"]].drop_duplicates().shape[0]
-            ),
-            "recomputed": int((ev.event == RECOVERY).sum()),
-            "lost": int((ev.event == LOST).sum()),
-            "nodes_lost": int((ev.event == NODE_LOST).sum()),
-            "duplicates": int(ev[ev.event == DUPLICATED].groupby(["run", "group"]).ngroups),
-            "duplicates_won": int(dup_won.groupby(["run", "group"]).ngroups),
-            "bytes_made": int(finished.nbytes.fillna(0).sum()),
-            "bytes_spilled": spilled,
-            "peak_store_bytes": peak,
+            "executions": finished.num_rows,
+            "retries": n.get(RETRIED, 0),
+            "failures": n.get(FAILED, 0),
+            "cancelled": n.get(CANCELLED, 0),
+            "recovery_waves": distinct(rows(RECOVERY), ["run", "wave"]),
+            "recomputed": n.get(RECOVERY, 0),
+            "lost": n.get(LOST, 0),
+            "nodes_lost": n.get(NODE_LOST, 0),
+            "duplicates": distinct(rows(DUPLICATED), ["run", "group"]),
+            "duplicates_won": distinct(won, ["run", "group"]),
+            "bytes_made": int(pc.sum(finished["nbytes"]).as_py() or 0),
+            "bytes_spilled": int(spilled),
+            "peak_store_bytes": int(peak),
         }
 
     # ---- files --------------------------------------------------------------------
@@ -509,8 +557,14 @@ class RunRecord:
 
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
-        pq.write_table(self.events_table, path / "events.parquet")
-        pq.write_table(self.stores_table, path / "stores.parquet")
+        # zstd: a third smaller than snappy, as fast; dictionaries only where values repeat
+        repeat = ["event", "category", "node", "reason"]
+        pq.write_table(
+            self.events_table, path / "events.parquet", compression="zstd", use_dictionary=repeat
+        )
+        pq.write_table(
+            self.stores_table, path / "stores.parquet", compression="zstd", use_dictionary=["node"]
+        )
         meta = dict(self.meta)
         try:
             meta["summary"] = self.summary()

@@ -208,6 +208,24 @@ def _summary_div(rec: RunRecord, summary: dict[str, Any], title: str) -> Any:
     )
 
 
+def _label(x: float, y: float, text: str, colour: str, x_range: Any) -> Any:
+    """A note beside a vertical line: to its right, or its left near the plot's end."""
+    from bokeh.models import Label
+
+    left = x > x_range.start + 0.6 * (x_range.end - x_range.start)
+    return Label(
+        x=x,
+        y=y,
+        y_units="screen",
+        text=f"{text} " if left else f" {text}",
+        text_align="right" if left else "left",
+        text_color=colour,
+        text_font_size="11px",
+        background_fill_color="white",
+        background_fill_alpha=0.7,
+    )
+
+
 def _rows(tasks: pd.DataFrame, has_driver_row: bool) -> list[tuple[str, str]]:
     """Timeline rows: (node, worker) in order of first start, and the driver's row."""
     rows: list[tuple[str, str]] = []
@@ -225,7 +243,7 @@ def _rows(tasks: pd.DataFrame, has_driver_row: bool) -> list[tuple[str, str]]:
 def _timeline(
     rec: RunRecord, tasks: pd.DataFrame, colours: dict[str, str], x_range: Any
 ) -> tuple[Any, int]:
-    from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Label, Span
+    from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Span
     from bokeh.plotting import figure
 
     ev = rec.events
@@ -349,13 +367,8 @@ def _timeline(
             )
         )
         p.add_layout(
-            Label(
-                x=e.time,
-                y=5,
-                y_units="screen",
-                text=f" {_node_label(e.node)} {'lost' if lost else 'joined'}",
-                text_color=colour,
-                text_font_size="11px",
+            _label(
+                e.time, 5, f"{_node_label(e.node)} {'lost' if lost else 'joined'}", colour, x_range
             )
         )
     waves = (
@@ -365,16 +378,7 @@ def _timeline(
     )
     for (_, wave), w in waves.iterrows():
         p.add_layout(Span(location=w.time, dimension="height", line_color=RED, line_dash="dotted"))
-        p.add_layout(
-            Label(
-                x=w.time,
-                y=20,
-                y_units="screen",
-                text=f" recovery wave {wave}: {int(w.n)} tasks",
-                text_color=RED,
-                text_font_size="11px",
-            )
-        )
+        p.add_layout(_label(w.time, 20, f"recovery wave {wave}: {int(w.n)} tasks", RED, x_range))
     if p.legend:
         legend = p.legend[0]
         legend.orientation = "horizontal"
@@ -580,8 +584,8 @@ def _cdf(tasks: pd.DataFrame, colours: dict[str, str]) -> Any:
 
     top = tasks.category.value_counts().head(8).index
     for c in top:
-        line(tasks.loc[tasks.category == c, "duration"].dropna().to_numpy(), line_color=colours.get(c, GREY),
-             legend_label=str(c)[:40], line_width=1.5)  # fmt: skip
+        durations = tasks.loc[tasks.category == c, "duration"].dropna().to_numpy()
+        line(durations, line_color=colours.get(c, GREY), legend_label=str(c)[:40], line_width=1.5)
     line(d, line_color="black", line_width=2.5, legend_label="all tasks")
     p.y_range.start = 0
     p.y_range.end = 1.02

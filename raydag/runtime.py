@@ -42,7 +42,7 @@ from raydag.state import (
     TaskErred,
     TaskFinished,
 )
-from raydag.stores import StoreSampler
+from raydag.stores import StoreSampler, shared_reader
 
 logger = logging.getLogger(__name__)
 Key = Hashable
@@ -51,6 +51,9 @@ Key = Hashable
 NODE_DIED = (rex.NodeDiedError, rex.LocalRayletDiedError)  # retried, not counted
 WORKER_DIED = (rex.WorkerCrashedError, rex.OutOfMemoryError, rex.RaySystemError)  # counted
 INPUT_LOST = (rex.ObjectLostError, rex.ObjectFetchTimedOutError)  # recover the inputs
+# Task returns below Ray's max_direct_call_object_size (default 100 KiB) are inlined
+# into the owner's (the driver's) memory: a node's death cannot lose them.
+INLINED = 100 * 1024
 
 
 # ---- the cluster ------------------------------------------------------------------
@@ -253,6 +256,11 @@ class Runner:
         """Run to the end; return the outputs' refs and nodes (the caller owns them now)."""
         try:
             self._step(None)
+            # Given values whose node died before this compute: one wave for all of them,
+            # before their readers fail one by one.
+            gone = [k for k, n in self.node_of.items() if n and n not in self.nodes]
+            if gone and not self.ray_first:
+                self._step(ResultsLost(tuple(self._lost(gone)), "node died before the compute"))
             last_poll = time.monotonic()
             while not self.state.done:
                 if not self.pending:
@@ -284,6 +292,10 @@ class Runner:
             self.values.clear()
             self.pending.clear()
             self.by_group.clear()
+
+    def _hex(self, key: Key) -> str | None:
+        ref = self.values.get(key)
+        return ref.hex() if ref is not None else None
 
     def _ref(self, key: Key) -> ray.ObjectRef:
         ref = self.values.get(key)
@@ -318,11 +330,14 @@ class Runner:
         # Ray stores the error of an object it cannot recover on its owner's node, and
         # lists that node as the object's location: a copy there proves nothing.
         alive = set(self.nodes) - {ray.get_runtime_context().get_node_id()}
-        return [
-            k
-            for k, ref in zip(keys, refs, strict=True)
-            if not any(n in alive for n in where.get(ref, {}).get("node_ids", ()))
-        ]
+        lost = []
+        for k, ref in zip(keys, refs, strict=True):
+            info = where.get(ref) or {}
+            if info and not info["node_ids"] and (info.get("object_size") or 0) < INLINED:
+                continue  # returned inline: it lives in the driver's memory, on no node
+            if not any(n in alive for n in info.get("node_ids", ())):
+                lost.append(k)
+        return lost
 
     def _events(self, meta_ref: ray.ObjectRef) -> list:
         """What one finished Ray task means, as state machine events."""
@@ -344,6 +359,10 @@ class Runner:
             logger.warning("raydag: an input of %r is lost (%s)", sub.root, type(e).__name__)
             self._watch_cluster()
             lost = self._lost(list(sub.inputs))
+            # Ray names the input it could not get: believe it over the locations, since
+            # the error Ray stores in place of a lost object is copied to its readers.
+            named = getattr(getattr(e, "cause", None) or e, "object_ref_hex", None)
+            lost += [k for k in sub.inputs if named and k not in lost and self._hex(k) == named]
             events: list = [ResultsLost(tuple(lost), f"input of {sub.root!r} lost")] if lost else []
             return [*events, TaskErred(sub.group, sub.root, e, node_lost=True)]
         except rex.RayTaskError as e:  # failed outside the user's code (e.g. arguments)
@@ -509,9 +528,11 @@ def _watching(
         try:
             interval = config.seconds("record.store-interval")
             on_round = display.stores if display is not None else None
-            sampler = StoreSampler(interval, on_round=on_round).start()
-        except Exception as e:  # e.g. ray without grpc: record the rest
+            sampler = StoreSampler(interval, on_round=on_round, reader=shared_reader())
+            sampler.start(wait=False)  # the first round in its thread: the compute goes on
+        except Exception as e:  # the record goes on without store samples
             logger.warning("raydag: cannot sample the object stores: %s", e)
+            sampler = None
     error = None
     try:
         yield [o for o in (recorder, display) if o is not None]
@@ -519,6 +540,8 @@ def _watching(
         error = e
         raise
     finally:
+        if recorder is not None:
+            recorder.stop()
         if sampler is not None:
             with contextlib.suppress(Exception):
                 sampler.stop()

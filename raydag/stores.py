@@ -161,13 +161,18 @@ _default_reader: StoreReader | None = None
 _default_lock = threading.Lock()
 
 
-def store_stats(timeout: float = 2.0) -> dict[NodeId, StoreStats]:
-    """Each alive node's object store now, by node id (hex); reuses one shared reader."""
+def shared_reader(timeout: float = 2.0) -> StoreReader:
+    """The process's reader: its channels outlive a compute, so a sampler starts fast."""
     global _default_reader
     with _default_lock:
         if _default_reader is None:
             _default_reader = StoreReader(timeout)
-        reader = _default_reader
+        return _default_reader
+
+
+def store_stats(timeout: float = 2.0) -> dict[NodeId, StoreStats]:
+    """Each alive node's object store now, by node id (hex); reuses one shared reader."""
+    reader = shared_reader(timeout)
     reader.timeout = timeout
     return reader.read()
 
@@ -200,6 +205,7 @@ class StoreSampler:
         interval: float = 0.5,
         timeout: float = 2.0,
         on_round: Callable[[float, dict[NodeId, StoreStats]], None] | None = None,
+        reader: StoreReader | None = None,
     ) -> None:
         if interval <= 0:
             raise ValueError("interval must be positive")
@@ -211,18 +217,24 @@ class StoreSampler:
         self.rounds = 0
         self._totals: list[tuple[float, int]] = []
         self._on_round = on_round
-        self._reader = StoreReader(timeout)
+        # A given reader (e.g. ``shared_reader()``) is someone else's: not closed here.
+        self._own_reader = reader is None
+        self._reader = StoreReader(timeout) if reader is None else reader
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._started = False
         self._lock = threading.Lock()
 
-    def start(self) -> StoreSampler:
+    def start(self, wait: bool = True) -> StoreSampler:
+        """Take the first round (here, or at once in the thread if not ``wait``) and go on."""
         if self._started:
             raise RuntimeError("a StoreSampler runs once: make a new one")
         self._started = True
-        self.sample()
-        self._thread = threading.Thread(target=self._loop, name="raydag-store-sampler", daemon=True)
+        if wait:
+            self.sample()
+        self._thread = threading.Thread(
+            target=self._loop, args=(not wait,), name="raydag-store-sampler", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -235,7 +247,8 @@ class StoreSampler:
         try:
             self.sample()
         finally:
-            self._reader.close()
+            if self._own_reader:
+                self._reader.close()
 
     def __enter__(self) -> StoreSampler:
         return self.start()
@@ -275,8 +288,8 @@ class StoreSampler:
         with self._lock:
             return list(self._totals)
 
-    def _loop(self) -> None:
-        next_at = time.monotonic() + self.interval
+    def _loop(self, first: bool = False) -> None:
+        next_at = time.monotonic() + (0.0 if first else self.interval)
         failed = False
         while not self._stop.wait(max(0.0, next_at - time.monotonic())):
             next_at += self.interval

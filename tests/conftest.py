@@ -15,25 +15,45 @@ from raydag.stores import store_stats
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """Start Ray once: starting it costs 10-20 s here, far more than any test."""
-    if ray.is_initialized():  # someone else's Ray would make the store checks meaningless
-        ray.shutdown()
+def _start_local_ray() -> None:
     # Ray workers inherit the raylet's environment: let them import the test modules,
     # whose functions and exception classes cloudpickle ships by reference.
     old_path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, old_path) if p)
     try:
         with dask.config.set({"raydag.local-ray.num-cpus": 2}):
-            raydag.runtime.connect()
+            try:
+                raydag.runtime.connect()
+            except Exception:  # a raylet can time out starting on a loaded machine: once more
+                ray.shutdown()
+                raydag.runtime.connect()
     finally:
         if old_path is None:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = old_path
+
+
+@pytest.fixture(scope="session")
+def _local_ray_session():
+    """Start Ray once: starting it costs 10-20 s here, far more than any test."""
+    if ray.is_initialized():  # someone else's Ray would make the store checks meaningless
+        ray.shutdown()
+    _start_local_ray()
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def ray_cluster(_local_ray_session):
+    """The shared embedded Ray, started again if a multi-node test shut it down."""
+    if not ray.is_initialized():
+        _start_local_ray()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Multi-node tests last: each replaces the shared local Ray with its own cluster."""
+    items.sort(key=lambda item: item.get_closest_marker("cluster") is not None)
 
 
 def store_objects() -> tuple[int, int]:
