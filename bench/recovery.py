@@ -11,7 +11,9 @@ node at once):
                  max_lineage_bytes=10000 (Ray's cap is 1 GB: a 300k-task graph of
                  pickled dask tasks exceeds it); the busiest node is killed at 50%
   repeated loss  a 3 s task and 6 short ones; the node running the long task is killed
-                 each time it starts again, 4 times (Ray's default max_retries is 3)
+                 each time it starts again, 4 times (Ray's default max_retries is 3);
+                 the 4 replacements are added before the run (a node takes longer to
+                 start than the task to finish elsewhere)
   lost late      3 tasks of 8 s (one per node) read by a final task; the node running
                  one of them is killed at 80% of its run
   not needed     30 inputs (1 MB) each reduced to a scalar, then a 4 s task reading the
@@ -221,6 +223,7 @@ class Background:
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.value: Any = None
         self.error: BaseException | None = None
+        self.t_done = 0.0  # perf_counter when the compute returned or raised
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
         self.thread.start()
@@ -231,6 +234,7 @@ class Background:
         except BaseException as e:
             self.error = e
         finally:
+            self.t_done = time.perf_counter()
             self.done.set()
 
     def interrupt(self) -> None:
@@ -274,16 +278,17 @@ class Bench:
             self.cluster.__exit__(None, None, None)
             self.cluster = None
 
-    def settle(self) -> None:
-        """3 alive nodes, stores empty (ray_dask_get leaves a reference cycle: gc)."""
+    def settle(self, nodes: int = 3) -> None:
+        """``nodes`` alive nodes, warm, stores empty (ray_dask_get leaves a cycle: gc)."""
         c = self.cluster
         assert c is not None
-        while len(c.alive) > 3:
+        while len(c.alive) > nodes:
             extra = c.alive[-1]
             c.kill(extra)
             c.wait_dead(extra)
-        while len(c.alive) < 3:
+        while len(c.alive) < nodes:
             c.add_node()
+        warm_up(c)
         gc.collect()
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
@@ -294,13 +299,14 @@ class Bench:
                 pass
             time.sleep(0.2)
 
-    def kill(self, node_id: str) -> None:
+    def kill(self, node_id: str, replace: bool = True) -> None:
         c = self.cluster
         assert c is not None
         node = c.by_id(node_id)
         c.kill(node)
         c.wait_dead(node)
-        c.add_node()
+        if replace:
+            c.add_node()
 
     def busiest(self, log: str, prefix: str, exclude: tuple = ()) -> str:
         assert self.cluster is not None
@@ -315,9 +321,10 @@ class Bench:
         spec: Mapping[str, T],
         outputs: list,
         chaos: Callable[[str, Background], int] | None = None,
+        nodes: int = 3,
     ) -> Result:
         """One compute, with ``chaos(log, bg)`` (which kills nodes, returns how many) meanwhile."""
-        self.settle()
+        self.settle(nodes)
         tag = f"{scenario}-{contender}-{'faults' if chaos else 'free'}".replace(" ", "_")
         log = os.path.join(self.logdir, tag + ".log")
         dsk = build(spec, log)
@@ -343,7 +350,7 @@ class Bench:
         except Exception as e:  # the compute ended (failed) before the chaos was done
             outcome = f"chaos: {e}"
         finished = bg.done.wait(RUN_TIMEOUT)
-        wall = time.perf_counter() - t0
+        wall = bg.t_done - t0
         if not finished:
             bg.interrupt()
             outcome = "hung"
@@ -386,6 +393,17 @@ class Bench:
             self.close()
             self.use(self.config)
         return res
+
+
+def _warm(x: Any) -> float:
+    return float(np.asarray(x).sum())
+
+
+def warm_up(c: MultiNodeCluster) -> None:
+    """A task on every node first: a fresh node needs seconds to start its worker."""
+    f = ray.remote(_warm)
+    refs = [f.options(resources={n.name: 0.01}).remote(np.zeros(2)) for n in c.alive]
+    ray.get(refs, timeout=120)
 
 
 def _cut_seconds(r: Run_, all_runs: list[Run_]) -> float:
@@ -444,7 +462,8 @@ def kill_long_repeatedly(b: Bench, times: int) -> Callable[[str, Background], in
                 return n
             seen.add((r.node, r.start))
             time.sleep(0.3)
-            b.kill(r.node)
+            # Replacements were added before: starting one takes longer than the task.
+            b.kill(r.node, replace=False)
         return times
 
     return chaos
@@ -511,7 +530,8 @@ def main() -> None:
             spec = repeated_loss()
             for contender in CONTENDERS:
                 b.run("repeated loss", contender, spec, ["final"])
-                b.run("repeated loss", contender, spec, ["final"], kill_long_repeatedly(b, 4))
+                chaos = kill_long_repeatedly(b, 4)
+                b.run("repeated loss", contender, spec, ["final"], chaos, nodes=3 + 4)
         if "lost-late" in only:
             spec = lost_late()
             for contender in CONTENDERS:
