@@ -465,10 +465,9 @@ class State:
             keys = self._fuse(key)
             if len(keys) > 1:
                 fused = self._cost(key, sum(self.estimate(k) or 0.0 for k in keys))
-                if self.used and self.used + fused > self.capacity:
-                    keys = (key,)  # the group costs more than ``key`` alone: no room for it
-                else:
-                    cost = fused
+                # A group takes at most what is left: fusing must not wait for a
+                # whole free slot, nor push the work in flight past capacity.
+                cost = min(fused, self.capacity - self.used) if self.used else fused
             members = frozenset(keys)
             inputs = tuple(
                 {d: None for m in keys for d in self.dependencies[m] if d not in members}

@@ -496,9 +496,14 @@ class Driver:
         assert not members & self.skipped, ("lineage run though not needed", sub)
         self.submitted |= members
 
-        # capacity: it fits, or it runs alone
+        # capacity: its head fits, or it runs alone; a fused group beside other work
+        # takes at most the capacity left
         used = self._used()
+        head = self._cost(keys[:1])
+        assert used == 0 or used + head <= self.capacity, (sub, used, head, self.capacity)
         cost = self._cost(keys)
+        if used and len(keys) > 1:
+            cost = min(cost, self.capacity - used)
         assert used == 0 or used + cost <= self.capacity, (sub, used, cost, self.capacity)
         self.inflight[sub.group] = sub
         self.costs[sub.group] = cost
@@ -1137,9 +1142,10 @@ def test_cheap_tasks_take_a_fraction_of_a_slot():
     assert len(submits(finish(s, first, seconds=SLOW))) == 1  # slow: a whole slot each
 
 
-def test_fused_group_that_does_not_fit_runs_its_head_alone():
-    """A group measured too long to be cheap costs a whole slot: if that does not fit
-    beside what runs, its first task goes alone, at the cheap cost it was admitted at.
+def test_fused_group_that_does_not_fit_takes_what_is_left():
+    """A group measured too long to be cheap costs a whole slot: beside what runs, it
+    takes only the capacity left, so fusing neither waits for a free slot nor pushes
+    the work in flight past capacity.
     """
     deps = {"s": set(), "t": set()} | chain(6)
     prio = {"s": 0, "t": 1} | {f"k{i}": 2 + i for i in range(6)}
@@ -1153,11 +1159,11 @@ def test_fused_group_that_does_not_fit_runs_its_head_alone():
         cheap_cost=0.5,
     )
     (first,) = submits(s.start())
-    t, k0 = submits(finish(s, first))
+    t, group = submits(finish(s, first))
     assert t.keys == ("t",)
-    assert k0.keys == ("k0",)  # k0..k5 would be 6 * CHEAP > max_task_duration: 1 slot
-    assert s.used == 1.0
+    assert group.keys == tuple(f"k{i}" for i in range(6))  # 6 * CHEAP: a whole slot...
+    assert s.used == 1.0  # ...but only the half left beside t
     finish(s, t)
-    (rest,) = submits(finish(s, k0))
-    assert rest.keys == tuple(f"k{i}" for i in range(1, 6))  # 5 * CHEAP: cheap again
     assert s.used == 0.5
+    assert not submits(finish(s, group))
+    assert s.used == 0.0 and s.done
