@@ -246,11 +246,9 @@ class Background:
 
 
 def describe(e: BaseException) -> str:
-    names = [type(e).__name__]
-    cause = getattr(e, "cause", None) or e.__cause__
-    if cause is not None and type(cause).__name__ not in names:
-        names.append(type(cause).__name__)
-    return "/".join(names)
+    """The error's type; for Ray's ``RayTaskError(X)`` wrappers, X's."""
+    cause = getattr(e, "cause", None)
+    return type(cause if isinstance(cause, BaseException) else e).__name__
 
 
 # ---- the cluster ---------------------------------------------------------------------------

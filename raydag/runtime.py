@@ -238,7 +238,10 @@ class Runner:
         # given from outside (graph.external) are read from the graph, never dropped.
         self.values = {k: _given_ref(v) for k, v in graph.external.items()}
         self.node_of = {k: v.node for k, v in graph.external.items() if isinstance(v, Persisted)}
+        self.nbytes: dict[Key, int] = {}  # each value's size, as the task measured it
         self.nodes = nodes
+        # Nodes known dead, or taken for dead since Ray lost a value they held.
+        self.gone: set[str] = set()
         self.pending: dict[ray.ObjectRef, tuple[Submit, ray.ObjectRef]] = {}
         self.by_group: dict[int, ray.ObjectRef] = {}
         self.failure: Fail | None = None
@@ -258,7 +261,8 @@ class Runner:
             self._step(None)
             # Given values whose node died before this compute: one wave for all of them,
             # before their readers fail one by one.
-            gone = [k for k, n in self.node_of.items() if n and n not in self.nodes]
+            self.gone |= {n for n in self.node_of.values() if n and n not in self.nodes}
+            gone = [k for k, n in self.node_of.items() if n in self.gone]
             if gone and not self.ray_first:
                 self._step(ResultsLost(tuple(self._lost(gone)), "node died before the compute"))
             last_poll = time.monotonic()
@@ -307,6 +311,7 @@ class Runner:
         dead = set(self.nodes) - set(nodes)
         changed = nodes != self.nodes
         self.nodes = nodes
+        self.gone |= dead
         if dead:
             for node in dead:
                 logger.warning("raydag: node %s died", node[:12])
@@ -318,8 +323,18 @@ class Runner:
             self._step(CapacityChanged(slots(nodes)))
 
     def _lost(self, keys: list) -> list:
-        """Those of ``keys`` whose value has no copy left on an alive node."""
+        """Those of ``keys`` whose value is gone with its node.
+
+        A value made on a gone node (its primary copy) is lost unless a group in flight
+        reads it and a copy of it lives on an alive node: the reader fetched it and
+        pins it while it runs, so a long task that already has its inputs goes on.
+        Other copies are caches Ray may drop at any moment; counting on them split one
+        death into a wave per value. A reader that also reads a lost value will be
+        cancelled, which unpins its copies: its inputs are lost too. Only a value whose
+        node raydag does not know (a ref given from outside) is judged by copies alone.
+        """
         keys = [k for k in keys if k in self.values]
+        keys = [k for k in keys if self.node_of.get(k) in self.gone or not self.node_of.get(k)]
         if not keys:
             return []
         refs = [self.values[k] for k in keys]
@@ -329,14 +344,29 @@ class Runner:
             return keys
         # Ray stores the error of an object it cannot recover on its owner's node, and
         # lists that node as the object's location: a copy there proves nothing.
-        alive = set(self.nodes) - {ray.get_runtime_context().get_node_id()}
-        lost = []
+        alive = set(self.nodes) - {ray.get_runtime_context().get_node_id()} - self.gone
+        readers = [set(sub.inputs) for sub, _ in self.pending.values()]
+        read = set().union(*readers)
+        lost, spared = [], set()
         for k, ref in zip(keys, refs, strict=True):
             info = where.get(ref) or {}
-            if info and not info["node_ids"] and (info.get("object_size") or 0) < INLINED:
+            # A lost object's owner may report no size: then go by the value's own.
+            size = info.get("object_size") or self.nbytes.get(k, INLINED)
+            if info and not info["node_ids"] and size < INLINED:
                 continue  # returned inline: it lives in the driver's memory, on no node
-            if not any(n in alive for n in info.get("node_ids", ())):
+            copied = any(n in alive for n in info.get("node_ids", ()))
+            if copied and (k in read or not self.node_of.get(k)):
+                spared.add(k)
+            else:
                 lost.append(k)
+        changed = bool(lost)
+        while changed and spared:
+            changed = False
+            for inputs in readers:
+                if spared & inputs and not inputs.isdisjoint(lost):
+                    lost.extend(spared & inputs)
+                    spared -= inputs
+                    changed = True
         return lost
 
     def _events(self, meta_ref: ray.ObjectRef) -> list:
@@ -358,11 +388,20 @@ class Runner:
         except INPUT_LOST as e:
             logger.warning("raydag: an input of %r is lost (%s)", sub.root, type(e).__name__)
             self._watch_cluster()
-            lost = self._lost(list(sub.inputs))
             # Ray names the input it could not get: believe it over the locations, since
             # the error Ray stores in place of a lost object is copied to its readers.
             named = getattr(getattr(e, "cause", None) or e, "object_ref_hex", None)
-            lost += [k for k in sub.inputs if named and k not in lost and self._hex(k) == named]
+            culprits = [k for k in sub.inputs if named and self._hex(k) == named]
+            # Ray may know of the loss before the cluster reports the node dead: then
+            # everything on that node is gone too, and goes in this one wave.
+            suspects = {self.node_of.get(k) for k in culprits} - {None} - self.gone
+            if suspects:
+                logger.warning("raydag: node %s lost a value: taking it for dead",
+                               ", ".join(sorted(n[:12] for n in suspects)))  # fmt: skip
+                self.gone |= suspects
+            on_gone = [k for k, n in self.node_of.items() if n in suspects]
+            lost = self._lost(list(dict.fromkeys([*sub.inputs, *on_gone])))
+            lost += [k for k in culprits if k not in lost]
             events: list = [ResultsLost(tuple(lost), f"input of {sub.root!r} lost")] if lost else []
             return [*events, TaskErred(sub.group, sub.root, e, node_lost=True)]
         except rex.RayTaskError as e:  # failed outside the user's code (e.g. arguments)
@@ -372,6 +411,7 @@ class Runner:
             return [TaskErred(sub.group, outcome.error_key, _unpack_exception(outcome.error))]
         self.values[sub.root] = value_ref
         self.node_of[sub.root] = outcome.node
+        self.nbytes[sub.root] = outcome.nbytes
         given = self.graph.external.get(sub.root)
         if isinstance(given, Persisted):  # recomputed after a loss: heal the collection
             given.ref, given.node = value_ref, outcome.node
@@ -403,6 +443,7 @@ class Runner:
             elif isinstance(ins, Release):
                 self.values.pop(ins.key, None)
                 self.node_of.pop(ins.key, None)
+                self.nbytes.pop(ins.key, None)
                 if self.dask_state is not None:
                     self.dask_state["released"].add(ins.key)
             elif isinstance(ins, Cancel):
@@ -416,6 +457,7 @@ class Runner:
                 for k in ins.recompute:
                     self.values.pop(k, None)
                     self.node_of.pop(k, None)
+                    self.nbytes.pop(k, None)
                 logger.warning(
                     "raydag: recovery wave %d: %d lost results, %d tasks to recompute (%s)",
                     ins.wave,

@@ -34,6 +34,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple
 
 import dask
@@ -276,10 +277,6 @@ class Expected:
     def waves(self) -> int:
         return sum(bool(lost) for lost in self.lost)
 
-    @property
-    def reruns(self) -> Counter:
-        return Counter(k for rc in self.recompute for k in rc)
-
 
 def expected_recovery(
     spec: Spec,
@@ -297,6 +294,10 @@ def expected_recovery(
     recomputed is the lost values and, transitively, the inputs they read that were
     released (all their consumers had finished) or lost too. ``given`` maps the keys
     of values given to the compute (``raydag.persist``) to the node holding each.
+
+    One race the runs cannot settle: a task on the dead node may note its end and die
+    before its result reaches the driver. ``death.cut`` names the tasks the driver
+    retried as running when the node died (from its log); their last run counts as cut.
     """
     done = list(done)
     cut = []
@@ -767,10 +768,10 @@ def test_node_killed_after_persist(cluster, logs, rlog):
 
     def later(p: tuple) -> Any:
         posts = [
-            dask.delayed(work)(f"post-{i}", log, 0.1, 8, 1.0, p[i], dask_key_name=f"post-{i}")
+            dask.delayed(partial(work, f"post-{i}"))(log, 0.1, 8, 1.0, p[i], dask_key_name=f"post-{i}")
             for i in range(n)
         ]
-        total = dask.delayed(work)("sum", log, 0.1, 8, 0.0, *posts, dask_key_name="sum")
+        total = dask.delayed(partial(work, "sum"))(log, 0.1, 8, 0.0, *posts, dask_key_name="sum")
         return Background(lambda: dask.compute(total, scheduler=raydag.ray_get)[0]).result(60)
 
     rlog.clear()
@@ -793,6 +794,51 @@ def test_node_killed_after_persist(cluster, logs, rlog):
     )
 
     del persisted, got
+    assert_stores_empty()
+
+
+def test_node_killed_while_a_merge_fetches_its_inputs(cluster, logs, rlog):
+    """Groups of parts, each merged: the node holding most of a group dies just as the
+    group's merge is submitted. Ray turns the lost parts into errors, which the merge's
+    node fetches; the lost parts must still all be recomputed in the one wave.
+
+    A race: it shows raydag's bug (one wave per lost part) in about 2 runs out of 3 here.
+    """
+    c, log = cluster, logs()
+    spec: dict[str, T] = {}
+    for g in range(3):
+        for i in range(16):
+            spec[f"part-{g}-{i}"] = T(0.15, 4 * MiB, float(i))
+        spec[f"merge-{g}"] = T(0.2, MiB, 0.0, tuple(f"part-{g}-{i}" for i in range(16)))
+    spec["final"] = T(0.1, 8, 0.0, tuple(f"merge-{g}" for g in range(3)))
+    outputs = ["final"]
+
+    def group_done(g: int) -> bool:
+        done = completions(log)
+        return all(done[f"part-{g}-{i}"] for i in range(16))
+
+    def go() -> Any:
+        # Any poll interval must do; a slower one widens the race.
+        with dask.config.set({"raydag.scheduling.cluster-poll-interval": "1s"}):
+            return raydag.ray_get(build(spec, log), outputs)
+
+    bg = Background(go)
+    # dask.order finishes one group before the next: kill when the first group is done
+    (first, *_) = wait_until(lambda: [g for g in range(3) if group_done(g)], "a group", bg)
+    death = kill(c, busiest(c, log, lambda k: k.startswith(f"part-{first}-")))
+    add_node(c)
+    got = bg.result()
+
+    assert_same(got, expected_values(spec, outputs))
+    # The merge may have fetched some parts before the kill, unseen by the notes: so
+    # only "every rerun part was made on the dead node", not exactly which ones.
+    reran = {k for k, n in completions(log).items() if n > 1}
+    on_dead = {r.label for r in runs(log) if r.node == death.node and r.end is not None}
+    waves = rlog.waves()
+    print(f"waves: {waves}\nreran: {sorted(reran)}")
+    assert reran <= on_dead
+    assert len(waves) == (1 if reran else 0), f"one wave for one death, got {len(waves)}: {waves}"
+    del got
     assert_stores_empty()
 
 
@@ -821,7 +867,7 @@ def test_two_nodes_killed_in_succession(cluster, logs, rlog):
 def test_node_added_mid_run(cluster, logs, rlog):
     """A node joining mid-run gets work: more tasks run at once; nothing reruns."""
     c, log = cluster, logs()
-    spec = fan_in(90, 0.4)  # 12 s on 3 CPUs: a node takes 3-10 s to start here
+    spec = fan_in(120, 0.4)  # 16 s on 3 CPUs: a node takes 3-10 s to start here
     outputs = ["fanin"]
 
     bg = Background(lambda: raydag.ray_get(build(spec, log), outputs))
@@ -831,8 +877,8 @@ def test_node_added_mid_run(cluster, logs, rlog):
 
     assert_same(got, expected_values(spec, outputs))
     done = runs(log)
-    on_new = [r.label for r in done if r.node == new.node_id]
-    assert on_new, "no task ran on the node added mid-run"
+    on_new = [r.label for r in done if r.node == new.node_id and r.label.startswith("part-")]
+    assert on_new, "no part ran on the node added mid-run"
     events = sorted([(r.start, 1) for r in done] + [(r.end, -1) for r in done])
     running = peak = 0
     for _, step in events:
@@ -924,7 +970,8 @@ def test_consumed_results_lost_are_not_rerun(cluster, logs, rlog, consumer_bytes
     for i in range(9):
         spec[f"a-{i}"] = T(0.2, MiB, float(i))
         spec[f"s-{i}"] = T(0.1, consumer_bytes, 0.0, (f"a-{i}",))
-    spec["tail"] = T(3.0, 8, 0.0, tuple(f"s-{i}" for i in range(9)))
+    # Long enough for the driver to notice the death before it ends, even on a busy machine.
+    spec["tail"] = T(6.0, 8, 0.0, tuple(f"s-{i}" for i in range(9)))
     outputs = ["tail"]
 
     bg = Background(lambda: raydag.ray_get(build(spec, log), outputs))
@@ -938,6 +985,7 @@ def test_consumed_results_lost_are_not_rerun(cluster, logs, rlog, consumer_bytes
 
     assert_same(got, expected_values(spec, outputs))
     exp = check_recovery(spec, outputs, log, rlog, [death])
+    assert death.t_seen is not None, "the compute ended before the driver saw the death"
     assert exp.waves == 0 and not exp.running[0]
     assert completions(log) == Counter(dict.fromkeys(spec, 1))
     del got
@@ -951,7 +999,9 @@ def fragile_task(logdir: str, label: str, die: int, fail: int, log: str | None =
     marker = os.path.join(logdir, f"{label}.attempts")
     with contextlib.suppress(FileNotFoundError):
         os.remove(marker)
-    return dask.delayed(fragile)(label, log, marker, die, fail, dask_key_name=label)
+    # The label rides in a partial: dask before 2025.4 reads a string argument equal to
+    # a key as a reference to it, here a cycle.
+    return dask.delayed(partial(fragile, label))(log, marker, die, fail, dask_key_name=label)
 
 
 def attempts(logdir: str, label: str) -> int:
