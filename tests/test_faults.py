@@ -768,7 +768,9 @@ def test_node_killed_after_persist(cluster, logs, rlog):
 
     def later(p: tuple) -> Any:
         posts = [
-            dask.delayed(partial(work, f"post-{i}"))(log, 0.1, 8, 1.0, p[i], dask_key_name=f"post-{i}")
+            dask.delayed(partial(work, f"post-{i}"))(
+                log, 0.1, 8, 1.0, p[i], dask_key_name=f"post-{i}"
+            )
             for i in range(n)
         ]
         total = dask.delayed(partial(work, "sum"))(log, 0.1, 8, 0.0, *posts, dask_key_name="sum")
