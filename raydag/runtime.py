@@ -330,7 +330,7 @@ class Runner:
         pins it while it runs, so a long task that already has its inputs goes on.
         Other copies are caches Ray may drop at any moment; counting on them split one
         death into a wave per value. A reader that also reads a lost value will be
-        cancelled, which unpins its copies: its inputs are lost too. Only a value whose
+        cancelled, which unpins its copies: a value only such readers pin is lost too. Only a value whose
         node raydag does not know (a ref given from outside) is judged by copies alone.
         """
         keys = [k for k in keys if k in self.values]
@@ -355,18 +355,19 @@ class Runner:
             if info and not info["node_ids"] and size < INLINED:
                 continue  # returned inline: it lives in the driver's memory, on no node
             copied = any(n in alive for n in info.get("node_ids", ()))
-            if copied and (k in read or not self.node_of.get(k)):
+            if copied and not self.node_of.get(k):
+                continue
+            if copied and k in read:
                 spared.add(k)
             else:
                 lost.append(k)
         changed = bool(lost)
         while changed and spared:
-            changed = False
-            for inputs in readers:
-                if spared & inputs and not inputs.isdisjoint(lost):
-                    lost.extend(spared & inputs)
-                    spared -= inputs
-                    changed = True
+            staying = [inputs for inputs in readers if inputs.isdisjoint(lost)]
+            pinned = {k for k in spared if any(k in inputs for inputs in staying)}
+            changed = pinned != spared
+            lost.extend(spared - pinned)
+            spared = pinned
         return lost
 
     def _events(self, meta_ref: ray.ObjectRef) -> list:

@@ -20,42 +20,51 @@ a fresh one. The lineage-cap test, last, needs other Ray settings and restarts i
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import gc
 import logging
-import math
 import os
-import re
 import shutil
 import signal
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import dask
 import numpy as np
-import psutil
 import pytest
-import ray
-from dask._task_spec import Task, TaskRef
+from chaos import (
+    Background,
+    Clusters,
+    Death,
+    Expected,
+    MiB,
+    RaydagLog,
+    Spec,
+    T,
+    add_node,
+    assert_same,
+    build,
+    busiest,
+    completions,
+    ensure_nodes,
+    expected_recovery,
+    expected_values,
+    kill,
+    note,
+    runs,
+    store_objects,
+    wait_until,
+    work,
+)
 from dask.delayed import Delayed
 from harness import MultiNodeCluster
 
 import raydag
-from raydag.stores import store_stats
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-MiB = 2**20
-# Task returns below Ray's max_direct_call_object_size (100 KiB) live in the owner's
-# (the driver's) memory, not in a node's object store: a node's death cannot lose them.
-INLINE_BYTES = 100 * 1024
 # ray_dask_get runs tasks with Ray's default max_retries=3: four deaths exhaust them.
 RAY_DEFAULT_RETRIES = 3
 
@@ -75,29 +84,6 @@ ray_dask_get = _import_ray_dask_get()
 
 
 # ---- what runs on the workers -------------------------------------------------------
-
-
-def note(log: str | None, kind: str, label: str) -> None:
-    """Append one line per event; O_APPEND keeps concurrent writers' lines whole."""
-    if log is None:
-        return
-    node = ray.get_runtime_context().get_node_id()
-    line = f"{kind} {label} {node} {os.getpid()} {time.time():.6f}\n"
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
-
-
-def work(label: str, log: str | None, seconds: float, nbytes: int, value: float, *deps: Any):
-    """A task of known duration and size whose value depends on its inputs' values."""
-    note(log, "start", label)
-    time.sleep(seconds)
-    total = value + sum(float(np.asarray(d).flat[0]) for d in deps)
-    out = np.full(max(1, nbytes // 8), total)
-    note(log, "end", label)
-    return out
 
 
 def fragile(label: str, log: str | None, marker: str | None, die: int, fail: int) -> np.ndarray:
@@ -122,39 +108,6 @@ def fragile(label: str, log: str | None, marker: str | None, die: int, fail: int
 # ---- graphs -------------------------------------------------------------------------
 
 
-class T(NamedTuple):
-    """One task of a test graph: how long it sleeps, how big its value is, what it reads."""
-
-    seconds: float
-    nbytes: int
-    value: float
-    deps: tuple = ()
-
-
-Spec = Mapping[str, T]
-
-
-def build(spec: Spec, log: str | None, fast: bool = False) -> dict:
-    """The dask graph of ``spec``: keys are the labels the tasks note."""
-    return {
-        k: Task(
-            k, work, k, log, 0.0 if fast else t.seconds, t.nbytes, t.value, *map(TaskRef, t.deps)
-        )
-        for k, t in spec.items()
-    }
-
-
-def expected_values(spec: Spec, outputs: list) -> list:
-    """What dask's sync scheduler gives for the outputs (the same graph, no sleeps)."""
-    return dask.get(build(spec, None, fast=True), outputs)
-
-
-def assert_same(got: list, expected: list) -> None:
-    assert len(got) == len(expected)
-    for g, e in zip(got, expected, strict=True):
-        np.testing.assert_array_equal(g, e)
-
-
 def fan_in(n: int, seconds: float, nbytes: int = MiB) -> Spec:
     """``n`` parts read by one final task: the shape of a skim's final merge."""
     spec = {f"part-{i}": T(seconds, nbytes, float(i)) for i in range(n)}
@@ -165,246 +118,7 @@ def fan_in(n: int, seconds: float, nbytes: int = MiB) -> Spec:
 # ---- what happened: task runs, raydag's log, deaths ---------------------------------
 
 
-@dataclass
-class Run:
-    """One execution of a task, from its notes; ``end`` is None if it never finished."""
-
-    label: str
-    node: str
-    pid: int
-    start: float
-    end: float | None = None
-
-
-def runs(log: str, since: float = 0.0) -> list[Run]:
-    """The task runs noted in ``log`` that started at or after ``since``."""
-    out: list[Run] = []
-    open_runs: dict[tuple[str, int], Run] = {}
-    if not os.path.exists(log):
-        return out
-    with open(log) as f:
-        for line in f:
-            kind, label, node, pid, t = line.split()
-            if kind == "start":
-                r = Run(label, node, int(pid), float(t))
-                open_runs[(label, r.pid)] = r
-                out.append(r)
-            elif kind == "end":
-                open_runs.pop((label, int(pid))).end = float(t)
-    return [r for r in out if r.start >= since]
-
-
-def completions(log: str, since: float = 0.0) -> Counter:
-    return Counter(r.label for r in runs(log, since) if r.end is not None)
-
-
-@dataclass
-class Death:
-    node: str
-    t_kill: float  # the kill began: runs started later cannot have read its values
-    t_dead: float  # the kill was done: results made later cannot have been there
-    t_seen: float | None = None  # when raydag's driver noticed (its log), if it did
-    # Tasks whose last run on the dead node noted its end, but whose result never
-    # reached the driver (it retried them as running): they count as cut, not made.
-    cut: set = field(default_factory=set)
-
-
-class Wave(NamedTuple):
-    number: int
-    lost: int
-    recompute: int
-    reason: str
-    t: float
-
-
-WAVE_RE = re.compile(r"recovery wave (\d+): (\d+) lost results, (\d+) tasks to recompute \((.*)\)$")
-DIED_RE = re.compile(r"raydag: node (\w+) died")
-RETRY_RE = re.compile(r"raydag: (?:the node running '(.+)' died|'(.+)' lost its worker process)")
-
-
-class RaydagLog(logging.Handler):
-    """raydag's driver log: its recovery waves and the node deaths it noticed.
-
-    raydag reports a wave only as a log line; a structured hook (a callback or run
-    record receiving each ``Recover`` instruction with its keys) would make this exact.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[tuple[float, str]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append((record.created, record.getMessage()))
-
-    def clear(self) -> None:
-        self.records.clear()
-
-    def waves(self) -> list[Wave]:
-        out = []
-        for t, msg in self.records:
-            m = WAVE_RE.search(msg)
-            if m:
-                out.append(Wave(int(m[1]), int(m[2]), int(m[3]), m[4], t))
-        return out
-
-    def cut(self, after: float) -> set[str]:
-        """Tasks the driver saw die with their node after ``after``: their results had not
-        reached it, even if the task noted its end just before the kill."""
-        return {
-            m[1] or m[2] for t, msg in self.records if t >= after and (m := RETRY_RE.search(msg))
-        }
-
-    def seen(self, death: Death) -> float | None:
-        """When the driver noticed ``death``: it logs the death, then recovers."""
-        for t, msg in self.records:
-            m = DIED_RE.search(msg)
-            if m and death.node.startswith(m[1]) and t >= death.t_kill:
-                return t
-        return None
-
-
 # ---- the expectation ------------------------------------------------------------------
-
-
-@dataclass
-class Expected:
-    lost: list[set] = field(default_factory=list)  # per death: lost values still needed
-    recompute: list[set] = field(default_factory=list)  # per death: those and their inputs
-    running: list[list[Run]] = field(default_factory=list)  # per death: runs it killed
-    completions: Counter = field(default_factory=Counter)
-
-    @property
-    def waves(self) -> int:
-        return sum(bool(lost) for lost in self.lost)
-
-
-def expected_recovery(
-    spec: Spec,
-    outputs: Iterable[str],
-    done: list[Run],
-    deaths: list[Death],
-    given: Mapping[str, str] | None = None,
-) -> Expected:
-    """What raydag must run again after ``deaths``, worked out from the task runs alone.
-
-    At the moment the driver notices a death, a value is *lost* if the last run that
-    made it was on the dead node, it is bigger than Ray inlines, no run of a consumer
-    started on another alive node after it was made (that would have fetched a copy),
-    and it is still *needed*: an output, or read by a task not finished yet. What gets
-    recomputed is the lost values and, transitively, the inputs they read that were
-    released (all their consumers had finished) or lost too. ``given`` maps the keys
-    of values given to the compute (``raydag.persist``) to the node holding each.
-
-    One race the runs cannot settle: a task on the dead node may note its end and die
-    before its result reaches the driver. ``death.cut`` names the tasks the driver
-    retried as running when the node died (from its log); their last run counts as cut.
-    """
-    done = list(done)
-    cut = []
-    for death in deaths:  # a result cut off on its way to the driver was never made
-        for label in death.cut:
-            there = [r for r in done if r.label == label and r.node == death.node]
-            r = max(there, key=lambda r: r.start, default=None)
-            if r is not None and r.end is not None and r.end < death.t_dead:
-                cut.append(r)
-                done[done.index(r)] = Run(r.label, r.node, r.pid, r.start, None)
-    replay = _Replay(spec, set(outputs), done, dict(given or {}))
-    exp = Expected(completions=replay.first_runs())
-    exp.completions.update(r.label for r in cut)  # their run ended, then ran again
-    for death in deaths:
-        if death.t_seen is None:  # the compute never noticed: nothing to expect
-            continue
-        lost, recompute = replay.death(death)
-        exp.lost.append(lost)
-        exp.recompute.append(recompute)
-        exp.running.append(
-            [r for r in done if r.node == death.node and r.end is None and r.start < death.t_dead]
-        )
-        exp.completions.update(recompute)
-    return exp
-
-
-class _Replay:
-    """The state of every value as deaths happen, for ``expected_recovery``."""
-
-    def __init__(self, spec: Spec, outputs: set, done: list[Run], given: dict[str, str]):
-        self.spec, self.outputs, self.done, self.given = spec, outputs, done, given
-        self.dependents: dict[str, set] = {k: set() for k in spec}
-        for k, t in spec.items():
-            for d in t.deps:
-                self.dependents[d].add(k)
-        self.since = dict.fromkeys(spec, -math.inf)  # when a wave last reset each key
-        self.dead: set = set()
-
-    def first_runs(self) -> Counter:
-        """Keys that run once without failures: what the outputs need, short of given values."""
-        needed: set = set()
-        stack = list(self.outputs)
-        while stack:
-            k = stack.pop()
-            if k not in needed:
-                needed.add(k)
-                if k not in self.given:
-                    stack.extend(self.spec[k].deps)
-        return Counter({k: 1 for k in needed if k not in self.given})
-
-    def made(self, k: str, before: float) -> list[Run]:
-        return [
-            r
-            for r in self.done
-            if r.label == k and r.end is not None and self.since[k] < r.end < before
-        ]
-
-    def given_now(self, k: str) -> bool:
-        return k in self.given and self.since[k] == -math.inf
-
-    def holder(self, k: str, t_dead: float) -> tuple[str | None, float]:
-        made = self.made(k, t_dead)
-        if made:
-            r = max(made, key=lambda r: r.end)
-            return r.node, r.end
-        if self.given_now(k):
-            return self.given[k], -math.inf
-        return None, math.inf
-
-    def in_memory(self, k: str, seen: float) -> bool:
-        if not (self.given_now(k) or self.made(k, seen)):
-            return False
-        return k in self.outputs or any(not self.made(d, seen) for d in self.dependents[k])
-
-    def copied(self, k: str, after: float, death: Death) -> bool:
-        return any(
-            r.label in self.dependents[k]
-            and r.node != death.node
-            and r.node not in self.dead
-            and after < r.start < death.t_kill
-            for r in self.done
-        )
-
-    def death(self, death: Death) -> tuple[set, set]:
-        seen = death.t_seen
-        assert seen is not None
-        lost = set()
-        for k in self.spec:
-            node, t_made = self.holder(k, death.t_dead)
-            if node != death.node or self.spec[k].nbytes < INLINE_BYTES:
-                continue
-            if self.in_memory(k, seen) and not self.copied(k, t_made, death):
-                lost.add(k)
-        recompute: set = set()
-        stack = list(lost)
-        while stack:
-            k = stack.pop()
-            if k in recompute:
-                continue
-            recompute.add(k)
-            for d in self.spec[k].deps:
-                if d in lost or (d not in self.given and not self.in_memory(d, seen)):
-                    stack.append(d)
-        for k in recompute:
-            self.since[k] = seen
-        self.dead.add(death.node)
-        return lost, recompute
 
 
 def check_recovery(
@@ -468,184 +182,12 @@ def check_recovery(
 # ---- the cluster and the chaos ----------------------------------------------------------
 
 
-class Clusters:
-    """One cluster at a time for the module; a test that needs other Ray settings restarts it."""
-
-    def __init__(self) -> None:
-        self.current: MultiNodeCluster | None = None
-        self.config: dict | None = None
-        self.old_path: str | None = None
-
-    def get(self, system_config: dict | None = None) -> MultiNodeCluster:
-        if self.current is not None and self.config == system_config:
-            return self.current
-        self.close()
-        # Ray workers inherit their raylet's environment, raylets the driver's when they
-        # start (nodes added later too): let them import this module.
-        self.old_path = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, self.old_path) if p)
-        for attempt in (1, 2):  # on a loaded machine the head may miss Ray's 30 s deadline
-            c = MultiNodeCluster(system_config=system_config)
-            try:
-                self.current = c.__enter__()
-                break
-            except Exception:
-                _kill_leftovers(c.root)
-                if attempt == 2:
-                    raise
-        self.config = system_config
-        return self.current
-
-    def close(self) -> None:
-        if self.current is not None:
-            self.current.__exit__(None, None, None)
-            self.current = None
-            if self.old_path is None:
-                os.environ.pop("PYTHONPATH", None)
-            else:
-                os.environ["PYTHONPATH"] = self.old_path
-
-
-def _kill_leftovers(root: str, tmpdir: str | None = None) -> None:
-    """SIGKILL what a cluster or node that failed to start left running (the harness
-    only ends the nodes it finished starting): every process naming the cluster's
-    unique directory, or only those whose TMPDIR is the node's own directory."""
-    if not root:
-        return
-    for pid in psutil.pids():
-        with contextlib.suppress(psutil.Error):
-            p = psutil.Process(pid)
-            env = p.environ().get("TMPDIR", "")
-            node_match = tmpdir is not None and env == tmpdir
-            cluster_match = tmpdir is None and (root in env or any(root in a for a in p.cmdline()))
-            if node_match or cluster_match:
-                p.kill()
-
-
-def add_node(c: MultiNodeCluster, attempts: int = 3):
-    """``c.add_node()``, retried: on a loaded machine a raylet can miss Ray's fixed 30 s
-    start deadline, and Ray then raises."""
-    for attempt in range(1, attempts + 1):
-        try:
-            return c.add_node()
-        except Exception:
-            # The harness names the node it was starting node<count>, its TMPDIR after it.
-            _kill_leftovers(c.root, os.path.join(c.root, f"node{c._count}"))
-            if attempt == attempts:
-                raise
-
-
-def store_objects() -> int:
-    return sum(s.num_objects for s in store_stats().values())
-
-
 def assert_stores_empty(timeout: float = 5.0) -> None:
     """No object left in any alive node's store (the raylets free in batches: poll)."""
     deadline = time.monotonic() + timeout
     while (n := store_objects()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert n == 0, f"{n} objects left in the object stores after {timeout} s"
-
-
-def ensure_nodes(c: MultiNodeCluster, n: int = 3) -> None:
-    """Exactly ``n`` alive worker nodes, none busy, stores empty: each test's starting point."""
-    while len(c.alive) > n:
-        extra = c.alive[-1]
-        c.kill(extra)
-        c.wait_dead(extra)
-    while len(c.alive) < n:
-        add_node(c)
-    gc.collect()  # ray_dask_get leaves objects behind in a reference cycle (ray#36653)
-    deadline = time.monotonic() + 10
-    while store_objects() and time.monotonic() < deadline:
-        time.sleep(0.1)
-
-
-class Background:
-    """A compute in a daemon thread, so that the test can kill nodes meanwhile."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
-        self.thread.start()
-
-    def _run(self, fn: Callable[[], Any]) -> None:
-        try:
-            self.value = fn()
-        except BaseException as e:
-            self.error = e
-        finally:
-            self.done.set()
-
-    def result(self, timeout: float = 120.0) -> Any:
-        if not self.done.wait(timeout):
-            self.interrupt()
-            raise TimeoutError(f"the compute did not finish in {timeout} s")
-        if self.error is not None:
-            raise self.error
-        # Hand the value over: arrays read from the object store pin their objects.
-        value, self.value = self.value, None
-        return value
-
-    def outcome(self, timeout: float = 120.0) -> tuple[str, Any]:
-        """('ok', value) or (the error's type names, None), for a contender that may fail."""
-        try:
-            return "ok", self.result(timeout)
-        except TimeoutError:
-            return "hung", None
-        except Exception as e:
-            print(f"{describe_error(e)}: {str(e)[:600]}")
-            return describe_error(e), None
-
-    def interrupt(self) -> None:
-        """Ctrl-C the compute (raydag aborts and frees) so it stops using the cluster."""
-        if self.thread.is_alive():
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(self.thread.ident), ctypes.py_object(KeyboardInterrupt)
-            )
-            self.done.wait(10)
-
-
-def describe_error(e: BaseException) -> str:
-    names = [type(e).__name__]
-    cause = getattr(e, "cause", None) or e.__cause__
-    if cause is not None and type(cause).__name__ not in names:
-        names.append(type(cause).__name__)
-    return "/".join(names)
-
-
-def wait_until(
-    pred: Callable[[], Any], what: str, bg: Background | None = None, timeout: float = 60
-):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        if bg is not None and bg.done.is_set():
-            bg.result(0)  # raises the compute's error, if any
-            raise AssertionError(f"the compute finished before {what}")
-        time.sleep(0.05)
-    raise TimeoutError(f"waited {timeout} s for {what}")
-
-
-def kill(c: MultiNodeCluster, node_id: str) -> Death:
-    """SIGKILL a node, wait until the cluster marks it dead."""
-    node = c.by_id(node_id)
-    t = time.time()
-    c.kill(node)
-    t_dead = time.time()
-    c.wait_dead(node)
-    return Death(node_id, t, t_dead)
-
-
-def busiest(c: MultiNodeCluster, log: str, labels: Callable[[str], bool], exclude=()) -> str:
-    """The alive node that finished the most runs of matching tasks."""
-    alive = {n.node_id for n in c.alive} - set(exclude)
-    count = Counter(r.node for r in runs(log) if r.end is not None and labels(r.label))
-    return max(alive, key=lambda n: count.get(n, 0))
 
 
 @pytest.fixture(scope="module")
