@@ -278,6 +278,7 @@ def main() -> None:
     print()
     print("x ray_dask_get, x raw Ray: that contender's median seconds / this one's (>1: faster)")
     if args.record:
+        raydag.record.flush()
         shutil.rmtree(record_dir, ignore_errors=True)
         print()
         print("run record cost, median over 'raydag record off' (positive: slower):")

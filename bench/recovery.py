@@ -7,7 +7,8 @@ runs are the fault tests' (``tests/chaos.py``).
 
 The skim (the founding user's shape): 26 subgraphs, each 104 inputs read (12 ms), then
 calibrated, selected and histogrammed (2 ms each; 256/256/128/128 KiB), then merged by
-one task with 104 inputs; a final task reads the 26 merges. Three reads take 6 s (the
+one task with 104 inputs that writes the subgraph's output and returns a 64 KiB summary
+(inline in the driver: never lost); a final task reads the 26 summaries. Three reads take 6 s (the
 long tasks). 10,843 dask tasks. Schedules:
 
   two kills      the busiest node SIGKILLed at 50% of the tasks done, another at 80%,
@@ -39,6 +40,7 @@ import gc
 import logging
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -111,7 +113,9 @@ def skim(subgraphs: int = 26, fan: int = 104, long: tuple = (4, 12, 20)) -> dict
             spec[f"calib-{g}-{i}"] = T(0.002, 256 * KiB, 1.0, (f"read-{g}-{i}",))
             spec[f"select-{g}-{i}"] = T(0.002, 128 * KiB, 0.0, (f"calib-{g}-{i}",))
             spec[f"hist-{g}-{i}"] = T(0.002, 128 * KiB, 0.0, (f"select-{g}-{i}",))
-        spec[f"merge-{g}"] = T(0.05, 256 * KiB, 0.0, tuple(f"hist-{g}-{i}" for i in range(fan)))
+        # Each subgraph ends writing its parquet and returning a summary (64 KiB: Ray
+        # keeps it inline in the driver's memory, so no node death loses it).
+        spec[f"merge-{g}"] = T(0.05, 64 * KiB, 0.0, tuple(f"hist-{g}-{i}" for i in range(fan)))
     spec["skim"] = T(0.01, 8, 0.0, tuple(f"merge-{g}" for g in range(subgraphs)))
     return spec
 
@@ -168,7 +172,8 @@ class Result:
     extra: dict = field(default_factory=dict)
 
 
-Chaos = Callable[[MultiNodeCluster, str, Background], list[Death]]
+# Kills nodes while a compute runs, appending each death to the list it is given.
+Chaos = Callable[[MultiNodeCluster, str, Background, list], None]
 
 
 class Bench:
@@ -218,11 +223,12 @@ class Bench:
         bg = Background(compute)
         deaths: list[Death] = []
         outcome = ""
+        chaos_error = None
         if chaos is not None:
             try:
-                deaths = chaos(c, log, bg)
-            except Exception as e:  # the compute ended (failed) before the chaos was done
-                outcome = f"chaos: {e}"
+                chaos(c, log, bg, deaths)
+            except Exception as e:  # e.g. the compute ended before the chaos was done
+                chaos_error = f"{type(e).__name__}: {e}"
         finished = bg.done.wait(RUN_TIMEOUT)
         wall = time.perf_counter() - t0 if finished else None
         if not finished:
@@ -237,6 +243,9 @@ class Bench:
             wall = self._wall(log, t_start, wall)
         bg.value = None
         res = self._account(scenario, contender, spec, outputs, log, deaths, wall, outcome)
+        if chaos is not None:
+            res.run = "faults"
+            res.extra["chaos_error"] = chaos_error
         self.results.append(res)
         print(
             f"  {scenario:13} {contender:17} {res.run:6} {res.wall or float('nan'):7.1f} s  "
@@ -244,6 +253,8 @@ class Bench:
             f"(minimum {res.minimum}), cut {res.cut}, waves {res.waves}",
             flush=True,
         )
+        if chaos_error or (res.waves is not None and res.waves != res.extra.get("lossy")):
+            print(f"    chaos: {chaos_error}; waves: {res.extra.get('waves')}", flush=True)
         if outcome == "hung":  # its thread may still use the cluster: start afresh
             self.clusters.close()
         return res
@@ -265,6 +276,11 @@ class Bench:
         got = completions(log)
         exp = expected_recovery(spec, outputs, done, deaths)
         minimum = sum(len(r) for r in exp.recompute)
+        waves = self.rlog.waves()
+        extra = {
+            "waves": [(w.lost, w.recompute, w.reason) for w in waves],
+            "lossy": sum(bool(lost) for lost in exp.lost),
+        }
         return Result(
             scenario,
             contender,
@@ -275,7 +291,8 @@ class Bench:
             reexecuted=sum(n - 1 for n in got.values()),
             minimum=minimum,
             cut=sum(1 for r in done if r.end is None),
-            waves=len(self.rlog.waves()) if ours else None,
+            waves=len(waves) if ours else None,
+            extra=extra,
         )
 
     def close(self) -> None:
@@ -321,38 +338,33 @@ def replace_later(c: MultiNodeCluster) -> None:
 
 
 def kills_at(fractions: tuple[float, ...], total: int) -> Chaos:
-    def chaos(c: MultiNodeCluster, log: str, bg: Background) -> list[Death]:
-        deaths = []
+    def chaos(c: MultiNodeCluster, log: str, bg: Background, deaths: list) -> None:
         for f in fractions:
             want = int(f * total)
             wait_until(lambda w=want: sum(completions(log).values()) >= w, f"{want} done", bg, 240)
             deaths.append(kill_one(c, busiest(c, log, lambda k: True)))
             replace_later(c)
-        return deaths
 
     return chaos
 
 
 def every(seconds: float, start: float, total: int, most: int = 8) -> Chaos:
-    def chaos(c: MultiNodeCluster, log: str, bg: Background) -> list[Death]:
+    def chaos(c: MultiNodeCluster, log: str, bg: Background, deaths: list) -> None:
         want = int(start * total)
         wait_until(lambda: sum(completions(log).values()) >= want, f"{want} done", bg, 240)
-        deaths = []
         while len(deaths) < most and not bg.done.is_set():
             if len(c.alive) > 1:
                 deaths.append(kill_one(c, busiest(c, log, lambda k: True)))
                 replace_later(c)
             if bg.done.wait(seconds):
                 break
-        return deaths
 
     return chaos
 
 
 def kill_long_repeatedly(times: int) -> Chaos:
-    def chaos(c: MultiNodeCluster, log: str, bg: Background) -> list[Death]:
+    def chaos(c: MultiNodeCluster, log: str, bg: Background, deaths: list) -> None:
         seen: set = set()
-        deaths = []
         for _ in range(times):
             alive = {x.node_id for x in c.alive}
 
@@ -377,35 +389,34 @@ def kill_long_repeatedly(times: int) -> Chaos:
             time.sleep(0.3)
             # Replacements were added before: starting one takes longer than the task.
             deaths.append(kill_one(c, r.node))
-        return deaths
 
     return chaos
 
 
 def kill_late(fraction: float) -> Chaos:
-    def chaos(c: MultiNodeCluster, log: str, bg: Background) -> list[Death]:
+    def chaos(c: MultiNodeCluster, log: str, bg: Background, deaths: list) -> None:
         r = wait_until(
             lambda: next((r for r in runs(log) if r.label == "long-0" and r.end is None), None),
             "long-0 to start",
             bg,
         )
         time.sleep(max(0.0, r.start + 8.0 * fraction - time.time()))
-        death = kill_one(c, r.node)
+        deaths.append(kill_one(c, r.node))
         replace_later(c)
-        return [death]
 
     return chaos
 
 
 def kill_consumed() -> Chaos:
-    def chaos(c: MultiNodeCluster, log: str, bg: Background) -> list[Death]:
+    def chaos(c: MultiNodeCluster, log: str, bg: Background, deaths: list) -> None:
         tail = wait_until(
             lambda: next((r for r in runs(log) if r.label == "tail"), None), "tail to start", bg
         )
         time.sleep(0.3)
-        death = kill_one(c, busiest(c, log, lambda k: k.startswith("in-"), exclude=[tail.node]))
+        deaths.append(
+            kill_one(c, busiest(c, log, lambda k: k.startswith("in-"), exclude=[tail.node]))
+        )
         replace_later(c)
-        return [death]
 
     return chaos
 
@@ -478,7 +489,11 @@ def main() -> None:
     args = ap.parse_args()
     only = args.only.split(",") if args.only else list(SCENARIOS)
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")  # ray_dask_get's lost refs
-    logging.basicConfig(level=logging.ERROR)
+    # A SIGTERM unwinds like Ctrl-C, so that the cluster's processes are ended.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # raydag's warnings (deaths, waves) go to the wave counter, not the terminal
+    logging.getLogger("raydag").setLevel(logging.WARNING)
+    logging.getLogger("raydag").propagate = False
 
     logdir = tempfile.mkdtemp(prefix="rdg-bench-recovery-", dir="/tmp")
     b = Bench(logdir)

@@ -30,6 +30,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +52,7 @@ from raydag.state import (
     Submit,
     TaskErred,
     TaskFinished,
+    Won,
 )
 
 if TYPE_CHECKING:
@@ -78,6 +81,7 @@ NODE_LOST = "node-lost"
 NODE_JOINED = "node-joined"
 CAPACITY = "capacity"  # the driver's task slots changed (``slots``)
 ABORTED = "aborted"  # the driver gave up (Ctrl-C or an error outside the tasks)
+WON = "won"  # a duplicate's value came first (``duration``: seconds it saved, an estimate)
 
 # (name, arrow type name, meaning): the events table, in column order.
 EVENT_COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -240,6 +244,7 @@ class Recorder:
         done: set = set()  # roots made since they were last lost
         nbytes: dict[Any, int] = {}  # root -> size of its latest value
         recovering: dict[Any, int] = {}  # key -> recovery wave
+        losers: set = set()  # copies cancelled because a duplicate won
 
         def stop(root: Any) -> None:
             n = running.pop(root, 1) - 1
@@ -332,9 +337,14 @@ class Recorder:
                     g = groups.pop(ins.group, None)
                     if g is not None:
                         stop(g[0][-1])
+                        why = "superseded" if ins.group in losers else None
                         for k in g[0]:
                             add((t, seq, CANCELLED, *names[k], ins.group, g[1], g[2], None, None,
-                                 None, None, None, g[3], None, None, 0))  # fmt: skip
+                                 None, None, None, g[3], None, why, 0))  # fmt: skip
+                elif icls is Won:
+                    losers.update(ins.losers)
+                    add((t, seq, WON, *names[ins.key], ins.copy, None, None, None, None, None,
+                         None, ins.saved, True, None, ins.reason, 0))  # fmt: skip
                 elif icls is Fail:
                     add((t, seq, FAILED, *names[ins.key], None, None, None, None, None, None,
                          None, None, None, None, str(ins.error), 0))  # fmt: skip
@@ -506,7 +516,9 @@ class RunRecord:
         """The numbers a report leads with (computed in Arrow: cheap enough to write each run)."""
         import pyarrow.compute as pc
 
-        ev = self.events_table.select(["event", "run", "group", "wave", "duplicate", "nbytes"])
+        ev = self.events_table.select(
+            ["event", "run", "group", "wave", "duplicate", "nbytes", "duration"]
+        )
         counts = pc.value_counts(ev["event"])
         n = dict(zip(counts.field(0).to_pylist(), counts.field(1).to_pylist(), strict=True))
 
@@ -544,6 +556,7 @@ class RunRecord:
             "nodes_lost": n.get(NODE_LOST, 0),
             "duplicates": distinct(rows(DUPLICATED), ["run", "group"]),
             "duplicates_won": distinct(won, ["run", "group"]),
+            "time_saved_s": float(pc.sum(rows(WON)["duration"]).as_py() or 0.0),
             "bytes_made": int(pc.sum(finished["nbytes"]).as_py() or 0),
             "bytes_spilled": int(spilled),
             "peak_store_bytes": int(peak),
@@ -634,6 +647,18 @@ def load(directory: str | os.PathLike[str]) -> RunRecord:
     return RunRecord.load(directory)
 
 
+def category_runtimes(record: RunRecord) -> dict[str, list[float]]:
+    """Each category's runtimes in a record (tasks that finished): to seed speculation."""
+    import pyarrow.compute as pc
+
+    ev = record.events_table.select(["event", "category", "duration"])
+    done = ev.filter(pc.and_(pc.equal(ev["event"], FINISHED), pc.is_valid(ev["duration"])))
+    out: dict[str, list[float]] = {}
+    for cat, d in zip(done["category"].to_pylist(), done["duration"].to_pylist(), strict=True):
+        out.setdefault(cat, []).append(d)
+    return out
+
+
 # ---- which computes are recorded ----------------------------------------------------
 
 _last: RunRecord | None = None
@@ -690,13 +715,35 @@ def finished(record: RunRecord) -> None:
     directory = config.get("record.directory")
     if directory and config.get("record.enabled"):
         path = Path(os.path.expanduser(str(directory))) / record.meta["id"]
-        try:
-            record.write(path)
-        except Exception:
-            logger.exception("raydag: could not write the run record to %s", path)
-        else:
-            record.meta["directory"] = str(path)
-            logger.info("raydag: wrote the run record to %s", path)
+        record.meta["directory"] = str(path)
+        global _writer
+        with _lock:
+            if _writer is None:
+                _writer = ThreadPoolExecutor(1, thread_name_prefix="raydag-record")
+            _writing.append(_writer.submit(_write, record, path))
+
+
+# Records are written by one thread, in order, after their compute returned: building
+# the tables costs about 10 us per task, which a compute of tiny tasks would feel. The
+# interpreter waits for that thread at exit; ``flush`` waits for it sooner.
+_writer: ThreadPoolExecutor | None = None
+_writing: list[Future] = []
+
+
+def _write(record: RunRecord, path: Path) -> None:
+    try:
+        record.write(path)
+    except Exception:
+        logger.exception("raydag: could not write the run record to %s", path)
+    else:
+        logger.info("raydag: wrote the run record to %s", path)
+
+
+def flush(timeout: float | None = None) -> None:
+    """Wait until every record asked for so far is written (see ``raydag.record.directory``)."""
+    with _lock:
+        pending, _writing[:] = list(_writing), []
+    futures_wait(pending, timeout=timeout)
 
 
 # ---- metadata -----------------------------------------------------------------------

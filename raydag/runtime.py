@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import pickle
 import time
 import weakref
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,10 +38,14 @@ from raydag.state import (
     Recover,
     Release,
     ResultsLost,
+    Speculation,
     State,
     Submit,
     TaskErred,
     TaskFinished,
+    TaskStarted,
+    Tick,
+    Won,
 )
 from raydag.stores import StoreSampler, shared_reader
 
@@ -105,9 +110,15 @@ class Outcome:
     error_key: Any = None
 
 
-def run_group(nodes: list, input_keys: tuple, *inputs: Any) -> tuple[Any, Outcome]:
-    """Run fused dask tasks in order; return the last one's value and an Outcome."""
+def run_group(nodes: list, input_keys: tuple, notify: Any, *inputs: Any) -> tuple[Any, Outcome]:
+    """Run fused dask tasks in order; return the last one's value and an Outcome.
+
+    ``notify``: ``(inbox, run, tag)`` to say where and when it started (speculation).
+    """
     started = time.time()
+    if notify is not None:
+        inbox, run, tag = notify
+        inbox.started.remote(run, tag, ray.get_runtime_context().get_node_id(), started)
     values = dict(zip(input_keys, inputs, strict=True))
     durations = []
     node = None
@@ -126,6 +137,57 @@ def run_group(nodes: list, input_keys: tuple, *inputs: Any) -> tuple[Any, Outcom
 # raydag retries and recovers tasks itself, from its own lineage (see the README):
 # Ray's retries would re-run lost work one object at a time, behind raydag's back.
 _remote = ray.remote(num_returns=2, max_retries=0)(run_group)
+
+
+class _Inbox:
+    """Where tasks that may be duplicated say where and when they started.
+
+    Ray tells the driver nothing of a task until it ends (its state API needs the
+    dashboard), yet a duplicate must avoid the original's node and a task's runtime
+    counts from its real start, not from its submission (it may wait for a worker
+    process). The task's one-way call costs it about a millisecond; the driver
+    drains the inbox once per poll.
+    """
+
+    def __init__(self) -> None:
+        self.notes: list[tuple] = []
+
+    def started(self, run: int, tag: tuple, node: str, t: float) -> None:
+        self.notes.append((run, tag, node, t))
+
+    def drain(self) -> list[tuple]:
+        notes, self.notes = self.notes, []
+        return notes
+
+
+_inbox: tuple[Any, Any] | None = None  # (the Ray session's id, the actor handle)
+_runs = iter(range(1, 2**62))
+
+
+def inbox() -> Any:
+    """This driver's inbox actor on its own node, started on first use, one per Ray session."""
+    global _inbox
+    ctx = ray.get_runtime_context()
+    session = (ctx.gcs_address, ctx.get_job_id())  # job ids restart in every new cluster
+    if _inbox is None or _inbox[0] != session:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ctx.get_node_id(), soft=True)
+        actor = (
+            ray.remote(_Inbox)
+            .options(num_cpus=0, max_restarts=-1, scheduling_strategy=here)
+            .remote()
+        )
+        _inbox = (session, actor)
+    return _inbox[1]
+
+
+def idle_cpus(alive: Mapping[str, float]) -> dict[str, float]:
+    """Free CPUs of each alive node, as the cluster's control store last heard."""
+    from ray._private import state as ray_state
+
+    free = ray_state.available_resources_per_node()
+    return {n: float(free.get(n, {}).get("CPU", 0.0)) for n in alive}
 
 
 def _pack_exception(e: BaseException) -> bytes:
@@ -251,6 +313,14 @@ class Runner:
         self.ray_first = bool(config.get("recovery.ray-first"))
         self.ray_retries = int(config.get("retries"))
         self._options: dict[Any, Any] = {}
+        self.speculation = state.speculation.enabled
+        self.run_id = next(_runs)
+        self._inbox: Any = None
+        self._drain: ray.ObjectRef | None = None
+        # group -> the serial number of its latest submission: a retry reuses the
+        # group's id, and a late note of the earlier attempt must not count for it
+        self.serial: dict[int, int] = {}
+        self._serials = itertools.count(1)
         self.callbacks = callbacks
         _, _, self.pretask, self.posttask, _ = unpack_callbacks(callbacks)
         self.dask_state = _dask_state(graph) if callbacks else None
@@ -283,6 +353,7 @@ class Runner:
                             break
                 if time.monotonic() - last_poll > self.poll:
                     last_poll = time.monotonic()
+                    self._tick()
                     self._watch_cluster()
             if self.failure is not None:
                 exc = self.failure.error
@@ -296,6 +367,7 @@ class Runner:
             self.values.clear()
             self.pending.clear()
             self.by_group.clear()
+            self._drain = None
 
     def _hex(self, key: Key) -> str | None:
         ref = self.values.get(key)
@@ -316,22 +388,63 @@ class Runner:
             for node in dead:
                 logger.warning("raydag: node %s died", node[:12])
         if dead and not self.ray_first:
-            lost = self._lost([k for k, n in self.node_of.items() if n in dead])
+            self._take_notes(wait=2.0)
+            # Values of nodes that died earlier too: one spared then because a reader
+            # pinned a copy is lost now if that reader is being cancelled.
+            lost = self._lost([k for k, n in self.node_of.items() if n in self.gone])
             reason = "node died: " + ", ".join(sorted(n[:12] for n in dead))
             self._step(ResultsLost(tuple(lost), reason))
         if changed:
             self._step(CapacityChanged(slots(nodes)))
 
-    def _lost(self, keys: list) -> list:
+    def _tick(self) -> None:
+        """Tell the state machine which copies started where, the time and the idle CPUs."""
+        if self.state.done:
+            return
+        self._take_notes(wait=0)
+        if self.speculation:
+            alive = {n: c for n, c in self.nodes.items() if n not in self.gone}
+            self._step(Tick(time.time(), idle_cpus(alive)), quiet=True)
+
+    def _take_notes(self, wait: float) -> None:
+        """Pass on the start notes the inbox holds; ask for the next ones. With ``wait``,
+        every note sent so far (a node died: who holds which inputs matters)."""
+        if self._inbox is None:
+            return
+        if self._drain is not None:
+            self._collect(wait)
+        if wait and self._drain is None:  # the inbox answers in order: ask once more
+            self._drain = self._inbox.drain.remote()
+            self._collect(wait)
+        if self._drain is None:
+            self._drain = self._inbox.drain.remote()
+
+    def _collect(self, wait: float) -> None:
+        ready, _ = ray.wait([self._drain], timeout=wait)
+        if not ready:
+            return
+        try:
+            notes = ray.get(self._drain)
+        except ray.exceptions.RayError as e:  # the inbox restarts; notes are lost
+            logger.warning("raydag: the inbox of start notes failed: %s", e)
+            notes = []
+        self._drain = None
+        for run, (group, serial), node, t in notes:
+            live = self.serial.get(group) == serial and group in self.by_group
+            if run == self.run_id and live:
+                self._step(TaskStarted(group, node, t))
+
+    def _lost(self, keys: list, ended: Collection = ()) -> list:
         """Those of ``keys`` whose value is gone with its node.
 
-        A value made on a gone node (its primary copy) is lost unless a group in flight
-        reads it and a copy of it lives on an alive node: the reader fetched it and
-        pins it while it runs, so a long task that already has its inputs goes on.
-        Other copies are caches Ray may drop at any moment; counting on them split one
-        death into a wave per value. A reader that also reads a lost value will be
-        cancelled, which unpins its copies: a value only such readers pin is lost too. Only a value whose
-        node raydag does not know (a ref given from outside) is judged by copies alone.
+        A value made on a gone node (its primary copy) is lost unless a task running
+        on an alive node reads it: that task fetched it before it started and holds
+        it, so a long task that already has its inputs goes on. Other copies are
+        caches that Ray may drop, or never confirm, at any moment: counting on them
+        split one death into a wave per value. A reader that also reads a lost value
+        is cancelled and holds nothing. A ref given from outside, whose node raydag
+        does not know, is judged by its copies alone. ``ended``: copies (Ray tasks)
+        known to have ended, whatever the state machine has heard yet.
         """
         keys = [k for k in keys if k in self.values]
         keys = [k for k in keys if self.node_of.get(k) in self.gone or not self.node_of.get(k)]
@@ -345,29 +458,37 @@ class Runner:
         # Ray stores the error of an object it cannot recover on its owner's node, and
         # lists that node as the object's location: a copy there proves nothing.
         alive = set(self.nodes) - {ray.get_runtime_context().get_node_id()} - self.gone
-        readers = [set(sub.inputs) for sub, _ in self.pending.values()]
+        # The inputs of each group with a copy known to run on an alive node.
+        readers = [
+            set(g.inputs)
+            for g in self.state.groups.values()
+            if any(
+                c.started is not None and c.node in alive and cid not in ended
+                for cid, c in g.copies.items()
+            )
+        ]
         read = set().union(*readers)
-        lost, spared = [], set()
+        lost, held = [], set()
         for k, ref in zip(keys, refs, strict=True):
             info = where.get(ref) or {}
             # A lost object's owner may report no size: then go by the value's own.
             size = info.get("object_size") or self.nbytes.get(k, INLINED)
             if info and not info["node_ids"] and size < INLINED:
                 continue  # returned inline: it lives in the driver's memory, on no node
-            copied = any(n in alive for n in info.get("node_ids", ()))
-            if copied and not self.node_of.get(k):
-                continue
-            if copied and k in read:
-                spared.add(k)
+            if not self.node_of.get(k):
+                if not any(n in alive for n in info.get("node_ids", ())):
+                    lost.append(k)
+            elif k in read:
+                held.add(k)
             else:
                 lost.append(k)
-        changed = bool(lost)
-        while changed and spared:
+        while lost and held:
             staying = [inputs for inputs in readers if inputs.isdisjoint(lost)]
-            pinned = {k for k in spared if any(k in inputs for inputs in staying)}
-            changed = pinned != spared
-            lost.extend(spared - pinned)
-            spared = pinned
+            still = {k for k in held if any(k in inputs for inputs in staying)}
+            if still == held:
+                break
+            lost.extend(held - still)
+            held = still
         return lost
 
     def _events(self, meta_ref: ray.ObjectRef) -> list:
@@ -376,6 +497,9 @@ class Runner:
         del self.by_group[sub.group]
         try:
             outcome: Outcome = ray.get(meta_ref)
+        except rex.TaskUnschedulableError as e:  # a duplicate's node died before it ran
+            logger.warning("raydag: the node for a copy of %r is gone", sub.root)
+            return [TaskErred(sub.group, sub.root, e, node_lost=True)]
         except NODE_DIED as e:
             logger.warning("raydag: the node running %r died; retrying it", sub.root)
             self._watch_cluster()
@@ -400,8 +524,8 @@ class Runner:
                 logger.warning("raydag: node %s lost a value: taking it for dead",
                                ", ".join(sorted(n[:12] for n in suspects)))  # fmt: skip
                 self.gone |= suspects
-            on_gone = [k for k, n in self.node_of.items() if n in suspects]
-            lost = self._lost(list(dict.fromkeys([*sub.inputs, *on_gone])))
+            on_gone = [k for k, n in self.node_of.items() if n in self.gone]
+            lost = self._lost(list(dict.fromkeys([*sub.inputs, *on_gone])), ended={sub.group})
             lost += [k for k in culprits if k not in lost]
             events: list = [ResultsLost(tuple(lost), f"input of {sub.root!r} lost")] if lost else []
             return [*events, TaskErred(sub.group, sub.root, e, node_lost=True)]
@@ -430,11 +554,16 @@ class Runner:
             )
         ]
 
-    def _step(self, event: Event | None) -> None:
-        """One transition: the event in (``None`` to start), its instructions out."""
+    def _step(self, event: Event | None, quiet: bool = False) -> None:
+        """One transition: the event in (``None`` to start), its instructions out.
+
+        ``quiet``: observers see the event only if it gave instructions (a Tick that
+        changed nothing is not worth a row, four times a second).
+        """
         instructions = self.state.start() if event is None else self.state.handle(event)
-        for observe in self.observers:
-            observe(event, instructions)
+        if instructions or not quiet:
+            for observe in self.observers:
+                observe(event, instructions)
         self._carry_out(instructions)
 
     def _carry_out(self, instructions: list[Instruction]) -> None:
@@ -454,6 +583,13 @@ class Runner:
                     ray.cancel(value_ref, force=self.force_cancel)
             elif isinstance(ins, Fail):
                 self.failure = ins
+            elif isinstance(ins, Won):
+                logger.info(
+                    "raydag: a duplicate of %r won (%s); about %.1f s saved",
+                    ins.key,
+                    ins.reason,
+                    ins.saved,
+                )
             elif isinstance(ins, Recover):
                 for k in ins.recompute:
                     self.values.pop(k, None)
@@ -470,16 +606,30 @@ class Runner:
     def _submit(self, sub: Submit) -> None:
         spec = tuple(sorted(sub.resources.items())) if sub.resources else None
         fn = self._options.get(spec)
-        if fn is None:
+        if fn is None or sub.node is not None:
             opts = _ray_options(sub.resources)
             if self.ray_first:
                 opts["max_retries"] = self.ray_retries
-            fn = self._options[spec] = _remote.options(**opts)
+            if sub.node is not None:
+                # A duplicate: on that node and no other (soft=False), never by its original.
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(sub.node, False)
+                fn = _remote.options(**opts)
+            else:
+                fn = self._options[spec] = _remote.options(**opts)
+        notify = None
+        if sub.notify:
+            if self._inbox is None:
+                self._inbox = inbox()
+            serial = self.serial[sub.group] = next(self._serials)
+            notify = (self._inbox, self.run_id, (sub.group, serial))
         nodes = [self.graph.tasks[k] for k in sub.keys]
-        value_ref, meta_ref = fn.remote(nodes, sub.inputs, *[self._ref(k) for k in sub.inputs])
+        refs = [self._ref(k) for k in sub.inputs]
+        value_ref, meta_ref = fn.remote(nodes, sub.inputs, notify, *refs)
         self.pending[meta_ref] = (sub, value_ref)
         self.by_group[sub.group] = meta_ref
-        if self.dask_state is not None:
+        if self.dask_state is not None and sub.duplicate_of is None:
             s = self.dask_state
             for k in sub.keys:
                 s["waiting"].discard(k)
@@ -522,6 +672,35 @@ def fusion_settings() -> Fusion:
     )
 
 
+def speculation_settings() -> Speculation:
+    def opt(key: str) -> float | None:
+        return None if config.get(key) is None else config.seconds(key)
+
+    q = config.get("speculation.quantile")
+    return Speculation(
+        enabled=bool(config.get("speculation.enabled")),
+        quantile=None if q is None else float(q),
+        min_samples=int(config.get("speculation.min-samples")),
+        long_task=opt("speculation.long-task"),
+        min_runtime=config.seconds("speculation.min-runtime"),
+        max_in_flight=int(config.get("speculation.max-in-flight")),
+        max_copies=int(config.get("speculation.max-copies")),
+    )
+
+
+def seed_runtimes() -> dict[str, list[float]] | None:
+    """Runtimes per category from ``raydag.speculation.seed``: a run directory or record."""
+    seed = config.get("speculation.seed")
+    if seed is None:
+        return None
+    try:
+        rec = seed if isinstance(seed, record.RunRecord) else record.load(os.path.expanduser(seed))
+        return record.category_runtimes(rec)
+    except Exception as e:  # a missing or unreadable record must not stop the compute
+        logger.warning("raydag: cannot seed runtimes from %r: %s", seed, e)
+        return None
+
+
 def run(
     dsk: Any, keys: Any, callbacks: Any = None
 ) -> tuple[Graph, dict[Key, tuple[ray.ObjectRef, str | None]]]:
@@ -535,6 +714,8 @@ def run(
         default_retries=int(config.get("retries")),
         fusion=fusion_settings(),
         cheap_cost=float(config.get("scheduling.cheap-task-cost")),
+        speculation=(spec := speculation_settings()),
+        seed_runtimes=seed_runtimes() if spec.enabled else None,
     )
     with local_callbacks(callbacks) as cbs, _watching(graph, state, nodes, cbs) as observers:
         started = []

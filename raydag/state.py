@@ -11,11 +11,17 @@ A key moves ``waiting -> ready -> processing -> memory -> released``. A key is
 released once every dependent has finished and it is not an output; a key fused into
 a group as a non-root member goes from ``processing`` straight to ``released``: its
 value only ever lived inside the Ray task that made and consumed it.
+
+A group in flight runs as one or more *copies* (Ray tasks): its first, and the
+speculative duplicates ``Tick`` may add on other nodes when CPUs are idle. The first
+copy to finish wins, the others are cancelled; a copy that dies with its node while
+another runs is dropped, not restarted.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +54,11 @@ class Submit:
     priority: int
     resources: Mapping[str, float] | None
     attempt: int = 0
+    # Report the start (``TaskStarted``): a duplicate needs the node to avoid.
+    notify: bool = False
+    # A speculative copy of group ``duplicate_of``, to run on ``node`` and nowhere else.
+    duplicate_of: int | None = None
+    node: str | None = None
 
     @property
     def root(self) -> Key:
@@ -90,7 +101,25 @@ class Recover:
     reason: str = ""
 
 
-Instruction = Submit | Release | Cancel | Fail | Recover
+@dataclass(frozen=True)
+class Won:
+    """A duplicate's result came first; ``losers`` (copies) are cancelled.
+
+    Nothing for the Ray layer to do: it is there to be logged and recorded.
+    ``saved`` estimates the seconds the duplicate saved: when a copy died with its
+    node, how far the duplicate had got by then (the restart it spared); otherwise
+    how much longer the loser had already run than the winner needed.
+    """
+
+    key: Key
+    group: int
+    copy: int
+    losers: tuple
+    saved: float
+    reason: str = ""
+
+
+Instruction = Submit | Release | Cancel | Fail | Recover | Won
 
 
 # ---- events (Ray layer -> state machine) ----------------------------------------
@@ -142,7 +171,36 @@ class ResultsLost:
     reason: str = ""
 
 
-Event = TaskFinished | TaskErred | CapacityChanged | Aborted | ResultsLost
+@dataclass(frozen=True)
+class TaskStarted:
+    """Copy ``group`` began on ``node`` at ``started`` (wall clock, the worker's)."""
+
+    group: int
+    node: str
+    started: float
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passes: ``now`` (wall clock); ``idle``: each alive node's free CPUs now.
+
+    Speculation is decided only here, a few times a second, not on every event.
+    """
+
+    now: float
+    idle: Mapping[str, float] = field(default_factory=dict)
+
+
+Event = TaskFinished | TaskErred | CapacityChanged | Aborted | ResultsLost | TaskStarted | Tick
+
+
+@dataclass
+class Copy:
+    """One Ray task running a group: where and since when, once it said so."""
+
+    node: str | None = None
+    started: float | None = None
+    duplicate: bool = False
 
 
 @dataclass
@@ -153,6 +211,11 @@ class Group:
     inputs: tuple
     cost: float
     attempt: int = 0
+    # copy id -> Copy, for each Ray task running it; the first copy's id is ``id``
+    copies: dict = field(default_factory=dict)
+    # when a copy died with its node while a duplicate ran on (for ``Won.saved``)
+    spared_at: float | None = None
+    duplicated: int = 0  # duplicates started, ever: capped by Speculation.max_copies
 
 
 @dataclass(frozen=True)
@@ -163,6 +226,58 @@ class Fusion:
     max_task_duration: float = 0.005
     max_group_duration: float = 0.25
     max_group_size: int = 256
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """When a running task gets a duplicate on another node (see README).
+
+    A copy is *long* once it has run ``min_runtime`` and either its runtime is past
+    the ``quantile`` of its category's finished runtimes (with ``min_samples`` of
+    them), or its category's mean runtime, or its own runtime so far, is at least
+    ``long_task``. Either test is off when ``None``. A task gets at most
+    ``max_copies`` duplicates in all (a preempted or dead one counts: no churn).
+    """
+
+    enabled: bool = False
+    quantile: float | None = 0.95
+    min_samples: int = 5
+    long_task: float | None = None
+    min_runtime: float = 10.0
+    max_in_flight: int = 4
+    max_copies: int = 1
+
+
+class Runtimes:
+    """A category's runtimes: count and total (the mean), the latest samples (quantiles)."""
+
+    KEEP = 1000
+
+    __slots__ = ("count", "total", "samples", "_next")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0.0
+        self.samples: list[float] = []
+        self._next = 0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.total += seconds
+        if len(self.samples) < self.KEEP:
+            self.samples.append(seconds)
+        else:  # a ring: the latest KEEP, in case the category changes pace
+            self.samples[self._next] = seconds
+            self._next = (self._next + 1) % self.KEEP
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+    def quantile(self, q: float) -> float:
+        """Nearest-rank quantile of the kept samples."""
+        s = sorted(self.samples)
+        return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 class State:
@@ -183,6 +298,8 @@ class State:
         category: Callable[[Key], str] = key_split,
         cheap_cost: float = 1.0,
         fixed: Iterable[Key] = (),
+        speculation: Speculation = Speculation(),
+        seed_runtimes: Mapping[str, Iterable[float]] | None = None,
     ):
         self.dependencies = {k: frozenset(v) for k, v in dependencies.items()}
         self.dependents: dict[Key, set] = {k: set() for k in self.dependencies}
@@ -219,6 +336,15 @@ class State:
         self.aborted = False
         # category -> [count, total seconds], learned from finished tasks
         self.stats: dict[str, list] = {}
+        self.speculation = speculation
+        # category -> Runtimes, for speculation: seeded from an earlier run, then learned
+        self.runtimes: dict[str, Runtimes] = {}
+        for cat, seconds in (seed_runtimes or {}).items():
+            r = self.runtimes[cat] = Runtimes()
+            for x in seconds:
+                r.add(float(x))
+        self.copy_of: dict[int, int] = {}  # duplicate copy id -> its group's id
+        self.now = 0.0  # the latest Tick's wall clock
         self._next_group = 0
         self._seq = 0
 
@@ -289,6 +415,16 @@ class State:
             self._stop(out)
         elif isinstance(event, ResultsLost):
             self._lost(event, out)
+        elif isinstance(event, TaskStarted):
+            g = self._live(event.group)
+            if g is not None:
+                c = g.copies[event.group]
+                c.node, c.started = event.node, event.started
+        elif isinstance(event, Tick):
+            self.now = max(self.now, event.now)
+            self._fill(out)
+            self._speculate(event, out)
+            return out
         else:
             raise TypeError(f"Unknown event {event!r}")
         self._fill(out)
@@ -311,18 +447,44 @@ class State:
         self.state[key] = RELEASED
         out.append(Release(key))
 
+    def _live(self, copy: int) -> Group | None:
+        """The group that ``copy`` runs, if that copy still counts."""
+        g = self.groups.get(self.copy_of.get(copy, copy))
+        return g if g is not None and copy in g.copies else None
+
+    def _drop_copy(self, group: Group, copy: int) -> None:
+        del group.copies[copy]
+        self.copy_of.pop(copy, None)
+        self.used -= group.cost
+
     def _finished(self, ev: TaskFinished, out: list[Instruction]) -> None:
-        group = self.groups.pop(ev.group, None)
+        group = self._live(ev.group)
         if group is None:  # cancelled or superseded: its result is not ours to keep
             return
-        self.used -= group.cost
+        del self.groups[group.id]
+        winner = group.copies[ev.group]
+        losers = tuple(c for c in group.copies if c != ev.group)
+        if winner.duplicate:
+            out.append(self._won(group, ev, losers))
+        for c in losers:
+            out.append(Cancel(c))
+        for c in group.copies:
+            self.copy_of.pop(c, None)
+        self.used -= group.cost * len(group.copies)
         root = group.keys[-1]
+        learn = self.speculation.enabled
         for m in group.keys:
             del self.group_of[m]
             if m in ev.durations:
-                s = self.stats.setdefault(self.category(m), [0, 0.0])
+                cat = self.category(m)
+                s = self.stats.setdefault(cat, [0, 0.0])
                 s[0] += 1
                 s[1] += ev.durations[m]
+                if learn:
+                    r = self.runtimes.get(cat)
+                    if r is None:
+                        r = self.runtimes[cat] = Runtimes()
+                    r.add(ev.durations[m])
             for dep in self.dependencies[m]:
                 if dep in group.members:
                     continue
@@ -342,10 +504,32 @@ class State:
             if self.missing[d] == 0:
                 self._make_ready(d)
 
+    def _won(self, group: Group, ev: TaskFinished, losers: tuple) -> Won:
+        win = group.copies[ev.group]
+        start = ev.started or win.started or self.now
+        if group.spared_at is not None:
+            saved = group.spared_at - start
+            why = "a copy's node died while the duplicate ran"
+        else:
+            firsts = [group.copies[c].started for c in losers if group.copies[c].started]
+            saved = start - min(firsts) if firsts else 0.0
+            why = "the duplicate finished first"
+        return Won(group.keys[-1], group.id, ev.group, losers, max(0.0, saved), why)
+
     def _erred(self, ev: TaskErred, out: list[Instruction]) -> None:
-        group = self.groups.get(ev.group)
+        group = self._live(ev.group)
         if group is None:
             return
+        if len(group.copies) > 1:
+            if ev.node_lost or ev.retryable:  # another copy carries on: no restart
+                if ev.node_lost and not group.copies[ev.group].duplicate:
+                    group.spared_at = self.now
+                self._drop_copy(group, ev.group)
+                return
+            # The task's own error, whichever copy raised it: the others stop.
+            for c in [c for c in group.copies if c != ev.group]:
+                out.append(Cancel(c))
+                self._drop_copy(group, c)
         if ev.node_lost:
             out.append(self._submit_instruction(group))
             return
@@ -364,7 +548,8 @@ class State:
             )
             error.__cause__ = ev.error if isinstance(ev.error, BaseException) else None
         self.failed = (ev.key, error)
-        del self.groups[ev.group]
+        del self.groups[group.id]
+        self.copy_of.pop(ev.group, None)
         self._stop(out)
         out.append(Fail(ev.key, error))
 
@@ -393,9 +578,11 @@ class State:
         reset: list = []
         for gid, g in list(self.groups.items()):
             if lost_set.intersection(g.inputs):
-                out.append(Cancel(gid))
+                for c in g.copies:
+                    out.append(Cancel(c))
+                    self.copy_of.pop(c, None)
                 del self.groups[gid]
-                self.used -= g.cost
+                self.used -= g.cost * len(g.copies)
                 for m in g.keys:
                     del self.group_of[m]
                     self.state[m] = WAITING
@@ -438,9 +625,11 @@ class State:
             )
 
     def _stop(self, out: list[Instruction]) -> None:
-        for gid in self.groups:
-            out.append(Cancel(gid))
+        for g in self.groups.values():
+            for c in g.copies:
+                out.append(Cancel(c))
         self.groups.clear()
+        self.copy_of.clear()
         self.group_of.clear()
         self.used = 0.0
         self.ready.clear()
@@ -459,7 +648,7 @@ class State:
                 heapq.heappop(self.ready)
                 continue
             cost = self._cost(key, self.estimate(key))
-            if self.used and self.used + cost > self.capacity:
+            if self.used and self.used + cost > self.capacity and not self._preempt(cost, out):
                 return
             heapq.heappop(self.ready)
             keys = self._fuse(key)
@@ -482,6 +671,10 @@ class State:
             out.append(self._submit_instruction(group))
 
     def _submit_instruction(self, group: Group) -> Submit:
+        """The group's first copy (again, after a retry): the only one running it."""
+        for c in group.copies:
+            self.copy_of.pop(c, None)
+        group.copies = {group.id: Copy()}
         root = group.keys[-1]
         return Submit(
             group.id,
@@ -490,7 +683,107 @@ class State:
             self.priorities[root],
             self.resources.get(root),
             group.attempt,
+            # Where and since when a task runs: for duplicates, and because a running
+            # task holds its inputs (a node that made them may die, see the runtime).
+            notify=not all(self._cheap(k) for k in group.keys),
         )
+
+    # ---- speculation ------------------------------------------------------------
+
+    def _may_duplicate(self, group: Group) -> bool:
+        """Only a lone task that needs nothing but CPUs, of a category not known cheap."""
+        r = self.resources.get(group.keys[-1])
+        return len(group.keys) == 1 and not self._cheap(group.keys[0]) and set(r or ()) <= {"CPU"}
+
+    def _preempt(self, cost: float, out: list[Instruction]) -> bool:
+        """Cancel duplicates, youngest first, if that lets a first copy of ``cost`` run.
+
+        Duplicates only borrow idle CPUs: ready work never waits for them.
+        """
+        if not self.copy_of:
+            return False
+        # a duplicate that is its group's last copy (the first died) is not spare
+        dups = [
+            (self.groups[g].copies[c], c, self.groups[g])
+            for c, g in self.copy_of.items()
+            if len(self.groups[g].copies) > 1
+        ]
+        firsts = self.used - sum(g.cost for _, _, g in dups)
+        if not dups or (firsts and firsts + cost > self.capacity + 1e-9):
+            return False
+        dups.sort(key=lambda d: -(d[0].started or math.inf))
+        for _, c, g in dups:
+            if self.used and self.used + cost > self.capacity + 1e-9 and len(g.copies) > 1:
+                out.append(Cancel(c))
+                self._drop_copy(g, c)
+        return True
+
+    def _speculate(self, tick: Tick, out: list[Instruction]) -> None:
+        """Duplicate long-running copies onto idle CPUs of other nodes."""
+        sp = self.speculation
+        if not sp.enabled or self.failed or self.aborted:
+            return
+        while self.ready and self.state[self.ready[0][-1]] != READY:
+            heapq.heappop(self.ready)
+        if self.ready:  # first copies go first
+            return
+        idle = {n: c for n, c in tick.idle.items() if c > 0}
+        candidates = []
+        for g in self.groups.values():
+            if g.duplicated >= sp.max_copies or not self._may_duplicate(g):
+                continue
+            copies = g.copies.values()
+            if any(c.node is None for c in copies):  # a copy not placed yet: nothing to avoid
+                continue
+            starts = [c.started for c in copies if c.started is not None]
+            if not starts:
+                continue
+            ran = self.now - min(starts)
+            if ran >= sp.min_runtime and self._long(g.keys[-1], ran):
+                candidates.append((self.priorities[g.keys[-1]], g.id))
+        for _, gid in sorted(candidates):
+            if len(self.copy_of) >= sp.max_in_flight:
+                return
+            g = self.groups[gid]
+            if self.used + g.cost > self.capacity + 1e-9:
+                return
+            cpus = float((self.resources.get(g.keys[-1]) or {}).get("CPU", 1))
+            avoid = {c.node for c in g.copies.values()}
+            nodes = [n for n, c in idle.items() if n not in avoid and c >= cpus]
+            if not nodes:
+                continue
+            node = max(nodes, key=lambda n: (idle[n], n))
+            idle[node] -= cpus
+            cid = self._next_group
+            self._next_group += 1
+            g.copies[cid] = Copy(node=node, duplicate=True)
+            g.duplicated += 1
+            self.copy_of[cid] = gid
+            self.used += g.cost
+            root = g.keys[-1]
+            out.append(
+                Submit(
+                    cid,
+                    g.keys,
+                    g.inputs,
+                    self.priorities[root],
+                    self.resources.get(root),
+                    g.attempt,
+                    notify=True,
+                    duplicate_of=gid,
+                    node=node,
+                )
+            )
+
+    def _long(self, key: Key, ran: float) -> bool:
+        """Has this task, running for ``ran`` seconds, run long for its category?"""
+        sp = self.speculation
+        r = self.runtimes.get(self.category(key))
+        if sp.long_task is not None and max(ran, r.mean if r else 0.0) >= sp.long_task:
+            return True
+        if sp.quantile is not None and r is not None and len(r.samples) >= sp.min_samples:
+            return ran > r.quantile(sp.quantile)
+        return False
 
     def _cost(self, key: Key, estimate: float | None) -> float:
         r = self.resources.get(key)
@@ -618,4 +911,18 @@ class State:
             else:
                 raise AssertionError(f"{k!r} in unknown state {s!r}")
         assert set(self.group_of) == {m for g in self.groups.values() for m in g.members}
-        assert abs(self.used - sum(g.cost for g in self.groups.values())) < 1e-9
+        used = sum(g.cost * len(g.copies) for g in self.groups.values())
+        assert abs(self.used - used) < 1e-9, (self.used, used)
+        dups = {}
+        for g in self.groups.values():
+            assert g.copies, g
+            nodes = [c.node for c in g.copies.values() if c.node is not None]
+            assert len(nodes) == len(set(nodes)), ("two copies on one node", g)
+            assert len(g.copies) <= 1 + self.speculation.max_copies, g
+            for c, copy in g.copies.items():
+                assert (c != g.id) == copy.duplicate, (c, g)
+                if copy.duplicate:
+                    dups[c] = g.id
+                    assert copy.node is not None, (c, g)
+        assert dups == self.copy_of, (dups, self.copy_of)
+        assert len(self.copy_of) <= max(self.speculation.max_in_flight, 0)

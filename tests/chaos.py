@@ -418,12 +418,12 @@ def _kill_leftovers(root: str, tmpdir: str | None = None) -> None:
                 p.kill()
 
 
-def add_node(c: MultiNodeCluster, attempts: int = 3):
-    """``c.add_node()``, retried: on a loaded machine a raylet can miss Ray's fixed 30 s
-    start deadline, and Ray then raises."""
+def add_node(c: MultiNodeCluster, attempts: int = 3, **kwargs: Any):
+    """``c.add_node(**kwargs)``, retried: on a loaded machine a raylet can miss Ray's
+    fixed 30 s start deadline, and Ray then raises."""
     for attempt in range(1, attempts + 1):
         try:
-            return c.add_node()
+            return c.add_node(**kwargs)
         except Exception:
             # The harness names the node it was starting node<count>, its TMPDIR after it.
             _kill_leftovers(c.root, os.path.join(c.root, f"node{c._count}"))
@@ -433,6 +433,14 @@ def add_node(c: MultiNodeCluster, attempts: int = 3):
 
 def store_objects() -> int:
     return sum(s.num_objects for s in store_stats().values())
+
+
+def assert_stores_empty(timeout: float = 5.0) -> None:
+    """No object left in any alive node's store (the raylets free in batches: poll)."""
+    deadline = time.monotonic() + timeout
+    while (n := store_objects()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert n == 0, f"{n} objects left in the object stores after {timeout} s"
 
 
 def ensure_nodes(c: MultiNodeCluster, n: int = 3) -> None:

@@ -98,8 +98,8 @@ class MultiNodeCluster:
         os.makedirs(path, exist_ok=True)
         return path
 
-    def add_node(self, cpus: int | None = None) -> Node:
-        """Start one more worker node (also usable mid-run)."""
+    def add_node(self, cpus: int | None = None, env_vars: dict | None = None) -> Node:
+        """Start one more worker node (also usable mid-run); ``env_vars`` for its processes."""
         assert self.cluster is not None
         self._count += 1
         name = f"node{self._count}"
@@ -107,7 +107,7 @@ class MultiNodeCluster:
         handle = self.cluster.add_node(
             num_cpus=self.cpus if cpus is None else cpus,
             object_store_memory=self.store_bytes,
-            env_vars={"TMPDIR": tmp},
+            env_vars={**(env_vars or {}), "TMPDIR": tmp},
             resources={name: 1},
         )
         node = Node(name, handle, handle.node_id, tmp)

@@ -45,6 +45,7 @@ from chaos import (
     T,
     add_node,
     assert_same,
+    assert_stores_empty,
     build,
     busiest,
     completions,
@@ -180,14 +181,6 @@ def check_recovery(
 
 
 # ---- the cluster and the chaos ----------------------------------------------------------
-
-
-def assert_stores_empty(timeout: float = 5.0) -> None:
-    """No object left in any alive node's store (the raylets free in batches: poll)."""
-    deadline = time.monotonic() + timeout
-    while (n := store_objects()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert n == 0, f"{n} objects left in the object stores after {timeout} s"
 
 
 @pytest.fixture(scope="module")

@@ -165,6 +165,7 @@ def test_record_of_a_real_run(tmp_path):
     with dask.config.set({"raydag.record.directory": str(tmp_path)}):
         (value,) = dask.compute(x, scheduler=raydag.ray_get)
     assert value == sum(range(400))
+    record.flush()  # written after the compute returned, by a thread of its own
     (run_dir,) = tmp_path.iterdir()
     rec = raydag.last_run()
     assert rec is not None and rec.meta["directory"] == str(run_dir)
@@ -216,6 +217,7 @@ def test_record_off_and_too_big(tmp_path):
     # a directory asks for the record whatever its size
     with dask.config.set({"raydag.record.max-tasks": 5, "raydag.record.directory": str(tmp_path)}):
         dask.compute(_array(), scheduler=raydag.ray_get)
+    record.flush()
     assert raydag.last_run() is not None and len(list(tmp_path.iterdir())) == 1
 
 

@@ -25,10 +25,14 @@ from raydag.state import (
     Recover,
     Release,
     ResultsLost,
+    Speculation,
     State,
     Submit,
     TaskErred,
     TaskFinished,
+    TaskStarted,
+    Tick,
+    Won,
     WorkerDiedError,
 )
 
@@ -65,6 +69,12 @@ def dependents_of(dependencies: dict) -> dict:
 # ---- random scenarios -----------------------------------------------------------
 
 
+def _same_notify(ins: object, sub: Submit) -> object:
+    """``ins`` with ``sub``'s ``notify``: whether a resubmitted group reports its start
+    follows what is known of its category by then, not what was known before."""
+    return dataclasses.replace(ins, notify=sub.notify) if isinstance(ins, Submit) else ins
+
+
 @dataclasses.dataclass
 class Scenario:
     dependencies: dict
@@ -80,6 +90,7 @@ class Scenario:
     default_retries: int = 3
     cheap_cost: float = 1.0  # slots taken by a task measured cheap (exact in binary)
     fixed: set = dataclasses.field(default_factory=set)  # given, with no lineage here
+    speculation: Speculation = Speculation()
 
     def state(self) -> State:
         return State(
@@ -95,6 +106,7 @@ class Scenario:
             category=self.categories.__getitem__,
             cheap_cost=self.cheap_cost,
             fixed=self.fixed,
+            speculation=self.speculation,
         )
 
 
@@ -278,6 +290,7 @@ class Driver:
         self.state.validate_state()
         if sub.attempt < limit:
             again = dataclasses.replace(sub, attempt=sub.attempt + 1)
+            out = [_same_notify(i, sub) for i in out]
             assert out == [again], (sub, out)
             self.inflight[gid] = again
             self.retried += 1
@@ -296,6 +309,7 @@ class Driver:
         self.errors += 1
         out = self.state.handle(TaskErred(gid, key, error, retryable, node_lost=True))
         self.state.validate_state()
+        out = [_same_notify(i, sub) for i in out]
         assert out == [sub], (sub, out)
         self.retried += 1
         return out
@@ -445,6 +459,12 @@ class Driver:
     def _used(self) -> float:
         return sum(self.costs[g] for g in self.inflight)
 
+    def _first_used(self) -> float:
+        """Slots taken by first copies: what ready work may have to wait for."""
+        return self._used()
+
+    _deferred = False  # duplicates of the same transition are checked after the rest
+
     def _rank(self, key) -> tuple:
         """Recovery first, then priority."""
         return (key not in self.recovering, self.sc.priorities[key])
@@ -469,7 +489,8 @@ class Driver:
             else:
                 raise AssertionError(f"unexpected {ins!r} without a failure")
         self.state.validate_state()
-        assert abs(self._used() - self.state.used) < 1e-9, (self._used(), self.state.used)
+        if not self._deferred:
+            assert abs(self._used() - self.state.used) < 1e-9, (self._used(), self.state.used)
 
         ready = self._ready()
         if ready:
@@ -478,7 +499,8 @@ class Driver:
                 assert self._rank(sub.keys[0]) < self._rank(head), (sub, head)
             # and no slot is left idle while work is ready
             assert self.inflight, ("idle with ready work", ready)
-            used = self._used()
+            used = self._first_used()
+            assert used, ("only duplicates run while work is ready", ready)
             cost = self._cost((head,))
             assert used + cost > self.capacity, ("room left for", head, used, self.capacity)
         elif not self.inflight:  # no deadlock: nothing running, nothing ready means done
@@ -711,7 +733,331 @@ def test_random_lost_results(fusion, data):
     d.label()
 
 
+class SpecDriver(Driver):
+    """``Driver`` with speculative duplicates: copies start, tick, win, lose and die.
+
+    ``inflight`` keeps each group's first Submit while the group runs; ``live`` its
+    running copies (the group's id for the first, new ids for duplicates).
+    """
+
+    NODES = ("node0", "node1", "node2")
+
+    def __init__(self, sc: Scenario):
+        super().__init__(sc)
+        self.live: dict[int, set] = {}
+        self.dups: dict[int, Submit] = {}  # duplicate copy id -> its Submit
+        self.node: dict[int, str] = {}  # copy -> node, once known
+        self.started: dict[int, float] = {}
+        self.now = 0.0
+        self.idle: dict[str, float] = {}
+        self.copy_cancels: list[int] = []  # copies cancelled: their late results change nothing
+        self.dup_wins = self.preempted = self.spared = self.n_dups = 0
+        self.launched: dict[int, int] = {}  # group -> duplicates started
+
+    def copy_group(self, cid: int) -> int:
+        return self.dups[cid].duplicate_of if cid in self.dups else cid
+
+    def _used(self) -> float:
+        return sum(self.costs[g] * len(self.live[g]) for g in self.inflight)
+
+    def _first_used(self) -> float:
+        return sum(self.costs[g] for g in self.inflight)
+
+    def _forget_copy(self, cid: int) -> None:
+        gid = self.copy_group(cid)
+        self.live[gid].discard(cid)
+        self.dups.pop(cid, None)
+        self.node.pop(cid, None)
+        self.started.pop(cid, None)
+
+    def _apply(self, out: list) -> None:
+        rest, dups = [], []
+        for ins in out:
+            if isinstance(ins, Cancel):  # a spare duplicate, so that ready work runs
+                assert ins.group in self.dups and len(self.live[self.copy_group(ins.group)]) > 1
+                self._forget_copy(ins.group)
+                self.copy_cancels.append(ins.group)
+                self.preempted += 1
+            elif isinstance(ins, Submit) and ins.duplicate_of is not None:
+                dups.append(ins)
+            else:
+                rest.append(ins)
+        for ins in rest:
+            if isinstance(ins, Submit):
+                self.live[ins.group] = {ins.group}
+                self.started.pop(ins.group, None)
+                self.node.pop(ins.group, None)
+        self._deferred = bool(dups)
+        try:
+            super()._apply(rest)
+        finally:
+            self._deferred = False
+        for sub in dups:
+            self._check_duplicate(sub)
+        self.state.validate_state()
+        assert abs(self._used() - self.state.used) < 1e-9, (self._used(), self.state.used)
+
+    def _check_duplicate(self, sub: Submit) -> None:
+        sp = self.sc.speculation
+        gid = sub.duplicate_of
+        first = self.inflight[gid]
+        assert sub.group not in self.groups_seen, sub
+        self.groups_seen.add(sub.group)
+        assert (sub.keys, sub.inputs, sub.attempt) == (first.keys, first.inputs, first.attempt)
+        assert len(sub.keys) == 1, ("only lone tasks are duplicated", sub)
+        assert set(self.sc.resources.get(sub.root) or ()) <= {"CPU"}, sub
+        assert not self._ready(), ("duplicate while work is ready", sub)
+        assert all(c in self.node for c in self.live[gid]), ("a copy's node unknown", sub)
+        assert sub.node not in {self.node[c] for c in self.live[gid]}, ("same node", sub)
+        cpus = float((self.sc.resources.get(sub.root) or {}).get("CPU", 1))
+        assert self.idle.get(sub.node, 0) >= cpus, (sub, self.idle)
+        self.idle[sub.node] -= cpus
+        ran = self.now - min(self.started[c] for c in self.live[gid] if c in self.started)
+        assert ran >= sp.min_runtime, (ran, sub)
+        assert len(self.live[gid]) <= sp.max_copies, ("too many copies", sub)
+        self.launched[gid] = self.launched.get(gid, 0) + 1
+        assert self.launched[gid] <= sp.max_copies, ("too many duplicates of one task", sub)
+        assert len(self.dups) < sp.max_in_flight, ("too many duplicates", sub)
+        self.live[gid].add(sub.group)
+        self.dups[sub.group] = sub
+        self.node[sub.group] = sub.node
+        self.n_dups += 1
+        assert self._used() <= self.capacity + 1e-9, ("duplicate beyond capacity", sub)
+
+    # -- events ---------------------------------------------------------------
+
+    def tick(self, dt: float, idle: dict) -> list:
+        self.now += dt
+        self.idle = dict(idle)
+        out = self.state.handle(Tick(self.now, idle))
+        self._apply(out)
+        return out
+
+    def start_copy(self, cid: int, node: str) -> None:
+        node = self.node.get(cid, node)
+        self.node[cid] = node
+        self.started[cid] = self.now
+        assert self.state.handle(TaskStarted(cid, node, self.now)) == []
+        self.state.validate_state()
+
+    def finish_copy(self, cid: int) -> list:
+        gid = self.copy_group(cid)
+        sub = self.inflight[gid]
+        losers = self.live[gid] - {cid}
+        node = self.node.get(cid, "nodeX")
+        out = self.state.handle(TaskFinished(cid, {sub.root: self.sc.durations[
+            self.sc.categories[sub.root]]} if len(sub.keys) == 1 else {
+            k: self.sc.durations[self.sc.categories[k]] for k in sub.keys}, 8, node=node,
+            started=self.started.get(cid, 0.0)))  # fmt: skip
+        wons = [i for i in out if isinstance(i, Won)]
+        cancels = [i.group for i in out if isinstance(i, Cancel) and i.group in losers]
+        assert sorted(cancels) == sorted(losers), (cancels, losers, out)
+        if cid in self.dups:
+            assert len(wons) == 1 and wons[0].copy == cid and set(wons[0].losers) == losers
+            assert wons[0].group == gid and wons[0].key == sub.root and wons[0].saved >= 0
+            self.dup_wins += 1
+        else:
+            assert not wons, out
+        for c in losers:
+            self._forget_copy(c)
+            self.copy_cancels.append(c)
+        self._forget_copy(cid)
+        del self.live[gid]
+        assert self.state.where[sub.root] == node
+        # the model's bookkeeping of a finished group (as Driver.finish)
+        self.inflight.pop(gid)
+        self.finished.update(sub.keys)
+        self.memory.add(sub.root)
+        self.roots.add(sub.root)
+        self.recovering.difference_update(sub.keys)
+        for k in sub.keys:
+            self.known[self.sc.categories[k]] = self.sc.durations[self.sc.categories[k]]
+        rest = [i for i in out if not isinstance(i, Won) and not (
+            isinstance(i, Cancel) and i.group in losers)]  # fmt: skip
+        self._apply(rest)
+        return out
+
+    def copy_node_lost(self, cid: int) -> list:
+        """The node running copy ``cid`` died: another copy carries on, or it runs again."""
+        gid = self.copy_group(cid)
+        sub = self.inflight[gid]
+        others = self.live[gid] - {cid}
+        out = self.state.handle(TaskErred(cid, sub.root, ConnectionError(), node_lost=True))
+        self.state.validate_state()
+        self._forget_copy(cid)
+        if others:
+            assert out == [], ("restarted though a copy runs on", out)
+            self.spared += 1
+        else:
+            out = [_same_notify(i, sub) for i in out]
+            assert out == [sub], (sub, out)
+            self.live[gid] = {gid}
+            self.retried += 1
+        assert abs(self._used() - self.state.used) < 1e-9, (self._used(), self.state.used)
+        return out
+
+
+@st.composite
+def speculative(draw) -> Scenario:
+    sc = draw(scenarios(fusion=draw(st.booleans())))
+    # mostly slow categories: cheap ones are never duplicated
+    sc.durations = {c: draw(st.sampled_from([CHEAP, SLOW, SLOW])) for c in sc.durations}
+    sc.speculation = Speculation(
+        enabled=True,
+        quantile=draw(st.sampled_from([None, 0.5, 0.95])),
+        min_samples=draw(st.integers(1, 3)),
+        long_task=draw(st.sampled_from([None, 0.01, 1.0, 100.0])),
+        min_runtime=draw(st.sampled_from([0.0, 0.5, 2.0])),
+        max_in_flight=draw(st.integers(1, 3)),
+        max_copies=draw(st.integers(1, 2)),
+    )
+    return sc
+
+
+@settings(SETTINGS, max_examples=300)
+@given(sc=speculative(), data=st.data())
+def test_random_runs_with_duplicates(sc, data):
+    """Copies start, finish in any order and die with their nodes: each result is taken
+    once (from the first copy to finish, the others cancelled), releases stay right,
+    duplicates go only to idle CPUs of other nodes, within their caps, never ahead of
+    ready work, and a copy dying while another runs restarts nothing."""
+    d = SpecDriver(sc)
+    d.start()
+    lates = 0
+    while d.inflight:
+        copies = sorted(c for g in d.inflight for c in d.live[g])
+        unstarted = [c for c in copies if c not in d.started]
+        actions = ["finish"] * 2 + ["tick"] * 2 + (["start"] * 3 if unstarted else [])
+        if any(len(d.live[g]) > 1 for g in d.inflight):
+            actions += ["node lost"]
+        if d.copy_cancels and lates < 3:
+            actions.append("late")
+        action = data.draw(st.sampled_from(actions))
+        if action == "finish":
+            d.finish_copy(data.draw(st.sampled_from(copies)))
+        elif action == "start":
+            d.start_copy(data.draw(st.sampled_from(unstarted)), data.draw(st.sampled_from(d.NODES)))
+        elif action == "tick":
+            idle = {n: data.draw(st.sampled_from([0, 1, 1, 2])) for n in d.NODES}
+            d.tick(data.draw(st.sampled_from([0.1, 1.0, 3.0])), idle)
+        elif action == "late":
+            lates += 1
+            d.late(data.draw(st.sampled_from(d.copy_cancels)))
+        else:
+            d.copy_node_lost(data.draw(st.sampled_from(copies)))
+    d.check_complete()
+    assert not d.state.copy_of
+    d.label()
+    event("duplicated" if d.n_dups else "no duplicate")
+    if d.dup_wins:
+        event("a duplicate won")
+    if d.preempted:
+        event("a duplicate was preempted")
+    if d.spared:
+        event("a copy died while another ran on")
+
+
 # ---- examples -------------------------------------------------------------------
+
+
+def spec_state(dependencies: dict, outputs, **kwargs) -> State:
+    sp = Speculation(enabled=True, quantile=None, long_task=1.0, min_runtime=0.5)
+    return make(dependencies, outputs, speculation=kwargs.pop("speculation", sp), **kwargs)
+
+
+def test_duplicate_goes_to_another_idle_node_and_first_result_wins():
+    s = spec_state({"a": set(), "b": {"a"}}, ["b"], capacity=3)
+    (first,) = submits(s.start())
+    assert first.notify and first.node is None
+    assert s.handle(TaskStarted(first.group, "n0", 100.0)) == []
+    # not yet long (0.3 s < min-runtime), then no idle node but its own
+    assert s.handle(Tick(100.3, {"n0": 1, "n1": 1})) == []
+    assert s.handle(Tick(102.0, {"n0": 1})) == []
+    (dup,) = submits(s.handle(Tick(102.5, {"n0": 1, "n1": 1, "n2": 2})))
+    assert (dup.duplicate_of, dup.node, dup.keys) == (first.group, "n2", first.keys)
+    assert s.used == 2
+    s.validate_state()
+    assert s.handle(Tick(103.0, {"n1": 1})) == []  # max-copies: one duplicate per task
+    out = s.handle(TaskFinished(dup.group, {"a": 2.0}, 8, "n2", 102.6))
+    won = [i for i in out if isinstance(i, Won)]
+    assert won == [Won("a", first.group, dup.group, (first.group,), won[0].saved, won[0].reason)]
+    assert won[0].saved == pytest.approx(2.6)  # the original's head start
+    assert Cancel(first.group) in out and s.where["a"] == "n2"
+    (b,) = submits(out)
+    assert b.keys == ("b",)
+    # the original's late result is not taken
+    assert s.handle(TaskFinished(first.group, {"a": 9.0}, 8, "n0")) == []
+    s.validate_state()
+
+
+def test_no_duplicate_while_work_waits_and_ready_work_preempts_duplicates():
+    s = spec_state({"a": set(), "b": set(), "x": set(), "d": {"b"}}, ["a", "d", "x"], capacity=3)
+    subs = {sub.root: sub for sub in submits(s.start())}
+    for k, t in (("a", 0.0), ("b", 4.8), ("x", 0.0)):
+        s.handle(TaskStarted(subs[k].group, f"n-{k}", t))
+    assert s.handle(Tick(5.0, {"n-d": 1})) == []  # no CPU idle: capacity is full
+    finish(s, subs["x"], 0.1)
+    (dup,) = submits(s.handle(Tick(5.0, {"n-x": 1})))  # ``b`` has run only 0.2 s
+    assert dup.duplicate_of == subs["a"].group and dup.node == "n-x"
+    s.handle(CapacityChanged(2))
+    out = finish(s, subs["b"], 0.1)  # ``d`` is ready: the duplicate makes room for it
+    assert out[0] == Cancel(dup.group) and [sub.root for sub in submits(out)] == ["d"]
+    assert s.used == 2
+    finish(s, subs["a"], 6.0)
+    assert s.handle(TaskFinished(dup.group, {"a": 1.0}, 8, "n-x")) == []
+    s.validate_state()
+
+
+def test_first_copy_dying_leaves_the_duplicate_running():
+    s = spec_state({"a": set()}, ["a"], capacity=2)
+    (first,) = submits(s.start())
+    s.handle(TaskStarted(first.group, "n0", 0.0))
+    (dup,) = submits(s.handle(Tick(5.0, {"n0": 1, "n1": 1})))
+    s.handle(TaskStarted(dup.group, "n1", 5.0))
+    assert s.handle(Tick(7.0)) == []
+    out = s.handle(TaskErred(first.group, "a", ConnectionError(), node_lost=True))
+    assert out == []  # no restart from scratch: the duplicate carries on
+    s.validate_state()
+    assert s.used == 1
+    out = s.handle(TaskFinished(dup.group, {"a": 8.0}, 8, "n1", 5.0))
+    (won,) = [i for i in out if isinstance(i, Won)]
+    assert won.losers == () and won.saved == pytest.approx(2.0)  # the restart it spared
+    assert s.done and s.state["a"] == "memory"
+
+
+def test_duplicate_dying_last_restarts_the_first_copy():
+    s = spec_state({"a": set()}, ["a"], capacity=2)
+    (first,) = submits(s.start())
+    s.handle(TaskStarted(first.group, "n0", 0.0))
+    (dup,) = submits(s.handle(Tick(5.0, {"n1": 1})))
+    assert s.handle(TaskErred(first.group, "a", ConnectionError(), node_lost=True)) == []
+    out = s.handle(TaskErred(dup.group, "a", ConnectionError(), node_lost=True))
+    assert out == [first]  # the group runs again under its first id, anywhere
+    s.validate_state()
+
+
+def test_quantile_policy_uses_seeded_runtimes():
+    sp = Speculation(enabled=True, quantile=0.9, min_samples=5, long_task=None, min_runtime=1.0)
+    seed = {"a": [2.0] * 10}
+    s = make({"a-1": set()}, ["a-1"], capacity=2, speculation=sp, seed_runtimes=seed)
+    (first,) = submits(s.start())
+    s.handle(TaskStarted(first.group, "n0", 0.0))
+    assert s.handle(Tick(1.9, {"n1": 1})) == []  # within the 90 % quantile (2 s)
+    (dup,) = submits(s.handle(Tick(2.1, {"n1": 1})))
+    assert dup.node == "n1"
+    # without a seed the category has no samples: no quantile, no duplicate
+    s = make({"a-1": set()}, ["a-1"], capacity=2, speculation=sp)
+    (first,) = submits(s.start())
+    s.handle(TaskStarted(first.group, "n0", 0.0))
+    assert s.handle(Tick(50.0, {"n1": 1})) == []
+
+
+def test_speculation_off_makes_no_duplicates():
+    s = make({"a": set()}, ["a"], capacity=2)
+    (first,) = submits(s.start())
+    assert first.notify  # where it runs still matters when a node dies
+    s.handle(TaskStarted(first.group, "n0", 0.0))
+    assert s.handle(Tick(1e6, {"n1": 4})) == []
 
 
 def make(dependencies: dict, outputs, **kwargs) -> State:

@@ -1,0 +1,190 @@
+"""Speculative duplicates on a heavy-tailed graph: makespan with and without, in one run.
+
+A head without CPUs and 3 one-CPU nodes (tests/harness.py), the third started with
+``RAYDAG_TEST_SLOWDOWN=5``. The graph: ``--short`` tasks of 0.1-0.5 s (fixed seed),
+a category of ``--long`` tasks of 5-10 s, and one final task reading all of them.
+
+- (a) slowed: every task sleeps 5x longer on the slowed node;
+- (b) killed: no slowdown; the node running the first long task is SIGKILLed when
+  that task is 60 % done (a fresh node joins afterwards).
+
+Each scenario runs without speculation, then with it, seeded with the first run's
+record (``raydag.speculation.seed``: what a production run would have from the day
+before). Makespan is timed from the first task's start (the log every task writes),
+not from the call: a fresh node takes seconds to start its first worker process.
+The lower bound is max(critical path, total work / CPUs) at nominal speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import dask
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (os.path.join(HERE, "..", "tests"), HERE, os.environ.get("PYTHONPATH")) if p
+)
+
+from _common import print_header, table, write_json  # noqa: E402
+from harness import MultiNodeCluster  # noqa: E402
+from test_speculation import graph, runs  # noqa: E402
+
+import raydag  # noqa: E402
+
+SLOWDOWN = 5.0
+SETTINGS = {
+    "raydag.speculation.quantile": 0.9,
+    "raydag.speculation.min-samples": 5,
+    "raydag.speculation.long-task": "3s",
+    "raydag.speculation.min-runtime": "0.5s",
+}
+
+
+def heavy_tailed(short: int, long: int, slow: bool, seed: int = 0) -> dict[str, tuple]:
+    rng = random.Random(seed)
+    spec: dict[str, tuple] = {}
+    for i in range(long):
+        spec[f"long-{i}"] = (rng.uniform(5.0, 10.0), slow, ())
+    for i in range(short):
+        spec[f"short-{i}"] = (rng.uniform(0.1, 0.5), slow, ())
+    spec["total"] = (0.1, slow, tuple(spec))
+    return spec
+
+
+def lower_bound(spec: dict[str, tuple], cpus: int) -> float:
+    work = sum(s for s, _, _ in spec.values())
+    path = max(s for s, _, deps in spec.values() if not deps) + spec["total"][0]
+    return max(path, work / cpus)
+
+
+def run(
+    c: MultiNodeCluster, spec: dict, on: bool, seed: Any, kill_at: float | None
+) -> dict[str, Any]:
+    fd, log = tempfile.mkstemp(prefix="rdg-bench-spec-", suffix=".log", dir="/tmp")
+    os.close(fd)
+    killed: list[str] = []
+
+    def chaos() -> None:
+        long = sorted(k for k in spec if k.startswith("long-"))[0]
+        while not done.is_set():
+            starts = [(n, t) for k, lab, n, t in runs(log) if k == "start" and lab == long]
+            if starts and time.time() >= starts[0][1] + kill_at * spec[long][0]:
+                c.kill(c.by_id(starts[0][0]))
+                killed.append(starts[0][0])
+                return
+            time.sleep(0.02)
+
+    done = threading.Event()
+    watcher = threading.Thread(target=chaos, daemon=True) if kill_at is not None else None
+    cfg = {**SETTINGS, "raydag.speculation.enabled": on, "raydag.speculation.seed": seed}
+    with dask.config.set(cfg):
+        if watcher is not None:
+            watcher.start()
+        t0 = time.monotonic()
+        raydag.ray_get(graph(spec, log), ["total"])
+        wall = time.monotonic() - t0
+        done.set()
+    rec = raydag.last_run()
+    rs = runs(log)
+    os.unlink(log)
+    span = max(t for *_, t in rs) - min(t for *_, t in rs)
+    s = rec.summary()
+    if killed:
+        c.add_node()
+    return {
+        "makespan": span,
+        "wall": wall,
+        "runs": sum(1 for k, *_ in rs if k == "start"),
+        "duplicates": s["duplicates"],
+        "won": s["duplicates_won"],
+        "saved": s["time_saved_s"],
+        "killed": bool(killed),
+        "record": rec,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--short", type=int, default=16)
+    ap.add_argument("--long", type=int, default=1)
+    ap.add_argument("--kill-at", type=float, default=0.6)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    cpus = 3
+    with MultiNodeCluster(nodes=2) as c:
+        c.add_node(env_vars={"RAYDAG_TEST_SLOWDOWN": str(SLOWDOWN)})
+        graph_desc = (
+            f"{args.short} tasks of 0.1-0.5 s, {args.long} of 5-10 s (category 'long'), "
+            "1 final task reading all"
+        )
+        header = print_header(
+            "speculation: heavy-tailed graph, a slowed node and a killed node",
+            {
+                "cluster": "head (0 CPUs) + 3 nodes x 1 CPU; node 3 slowed 5x in (a)",
+                "graph": graph_desc,
+                "settings": SETTINGS,
+            },
+        )
+        # warm every node's worker pool: the first task on a fresh node waits seconds
+        raydag.ray_get(graph({f"w-{i}": (0.5, False, ()) for i in range(6)}, None), ["w-0"])
+        rows, out = [], []
+        for name, slow, kill_at in (("(a) slowed 5x", True, None), ("(b) killed", False, 0.6)):
+            spec = heavy_tailed(args.short, args.long, slow)
+            lb = lower_bound(spec, cpus)
+            off = run(c, spec, False, None, kill_at)
+            on = run(c, spec, True, off.pop("record"), kill_at)
+            on.pop("record")
+            for label, r in (("off", off), ("on", on)):
+                rows.append(
+                    [
+                        name,
+                        label,
+                        round(lb, 2),
+                        round(r["makespan"], 2),
+                        round(r["makespan"] / lb, 2),
+                        r["runs"],
+                        r["duplicates"],
+                        r["won"],
+                        round(r["saved"], 1),
+                    ]
+                )
+            out.append({"scenario": name, "lower_bound": lb, "off": off, "on": on})
+            speedup = round(off["makespan"] / on["makespan"], 2)
+            rows.append(["", "off / on", "", speedup, "", "", "", "", ""])
+        print()
+        print(
+            table(
+                [
+                    "scenario",
+                    "speculation",
+                    "lower bound s",
+                    "makespan s",
+                    "x bound",
+                    "task runs",
+                    "duplicates",
+                    "won",
+                    "saved s",
+                ],
+                rows,
+            )
+        )
+        print(
+            "\nlower bound: max(critical path, total work / 3 CPUs) at nominal speed; "
+            "makespan: first task start to last task end; saved: the record's estimate"
+        )
+    if args.json:
+        write_json(args.json, {**header, "results": out})
+
+
+if __name__ == "__main__":
+    main()

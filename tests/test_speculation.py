@@ -1,0 +1,209 @@
+"""Speculative duplicates on a real multi-node Ray cluster: a slowed node, a killed node.
+
+One cluster serves the module: a head without CPUs and 3 one-CPU nodes, the third
+started with ``RAYDAG_TEST_SLOWDOWN=5``: tasks built with ``slow=True`` sleep 5 times
+longer there (a test hook in the task below, not in raydag). Every task notes each of
+its runs (start, end, node) in a file under /tmp, so the tests see what ran where,
+independently of raydag's own record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import threading
+import time
+from typing import Any
+
+import dask
+import numpy as np
+import pytest
+import ray
+from chaos import Clusters, add_node, assert_same, assert_stores_empty, ensure_nodes
+from dask._task_spec import Task, TaskRef
+
+import raydag
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+SLOWDOWN = 5.0
+SLOWED: list[str] = []  # the slowed node's id
+NBYTES = 256 * 1024  # above what Ray inlines: values live in the nodes' object stores
+
+SETTINGS = {
+    "raydag.speculation.enabled": True,
+    "raydag.speculation.quantile": None,
+    "raydag.speculation.long-task": "1s",
+    "raydag.speculation.min-runtime": "0.5s",
+    "raydag.record.enabled": True,
+}
+
+
+def spin(label: str, log: str | None, seconds: float, slow: bool, *deps: Any) -> np.ndarray:
+    """Sleep ``seconds`` (times ``RAYDAG_TEST_SLOWDOWN`` on a slowed node when ``slow``)."""
+    node = ray.get_runtime_context().get_node_id() if log else ""
+    if log:
+        _note(log, "start", label, node)
+    factor = float(os.environ.get("RAYDAG_TEST_SLOWDOWN", "1")) if slow else 1.0
+    time.sleep(seconds * factor)
+    out = np.full(NBYTES // 8, float(len(label)) + sum(float(d[0]) for d in deps))
+    if log:
+        _note(log, "end", label, node)
+    return out
+
+
+def _note(log: str, kind: str, label: str, node: str) -> None:
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, f"{kind} {label} {node} {time.time():.6f}\n".encode())
+    finally:
+        os.close(fd)
+
+
+def runs(log: str) -> list[tuple[str, str, str, float]]:
+    """(kind, label, node, time) per line of the log."""
+    if not os.path.exists(log):
+        return []
+    with open(log) as f:
+        return [(k, lab, n, float(t)) for k, lab, n, t in (line.split() for line in f)]
+
+
+def graph(spec: dict[str, tuple], log: str | None, fast: bool = False) -> dict:
+    """``spec``: label -> (seconds, slow, deps)."""
+    return {
+        k: Task(k, spin, k, log, 0.0 if fast else s, slow, *map(TaskRef, deps))
+        for k, (s, slow, deps) in spec.items()
+    }
+
+
+def expected(spec: dict[str, tuple], outputs: list) -> list:
+    return dask.get(graph(spec, None, fast=True), outputs)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    clusters = Clusters()  # the workers import this module's task function
+    try:
+        c = clusters.get()
+        ensure_nodes(c, 2)  # and a third, slowed
+        slowed = add_node(c, env_vars={"RAYDAG_TEST_SLOWDOWN": str(SLOWDOWN)})
+        SLOWED.append(slowed.node_id)
+        with dask.config.set(SETTINGS):
+            yield c
+    finally:
+        clusters.close()
+
+
+@pytest.fixture
+def log():
+    fd, path = tempfile.mkstemp(prefix="rdg-spec-", suffix=".log", dir="/tmp")
+    os.close(fd)
+    os.unlink(path)
+    yield path
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def test_slowed_node_is_overtaken_by_a_duplicate(cluster, log):
+    """Three 3 s tasks, one per node; on the slowed node it would take 15 s."""
+    slow = SLOWED[-1]
+    spec = {f"long-{i}": (3.0, True, ()) for i in range(3)}
+    outputs = list(spec)
+    t0 = time.monotonic()
+    got = raydag.ray_get(graph(spec, log), outputs)
+    took = time.monotonic() - t0
+    assert_same(got, expected(spec, outputs))
+    del got
+    rs = runs(log)
+    on_slow = [lab for k, lab, n, _ in rs if k == "start" and n == slow]
+    assert len(on_slow) == 1, rs  # Ray spread the three over the three nodes
+    (label,) = on_slow
+    starts = [(n, t) for k, lab, n, t in rs if k == "start" and lab == label]
+    ends = [(n, t) for k, lab, n, t in rs if k == "end" and lab == label]
+    assert len(starts) == 2 and starts[1][0] != slow, starts  # a copy on another node
+    assert [n for n, _ in ends] == [starts[1][0]], ends  # it won; the slow copy was stopped
+    # from the first task's start (a fresh cluster takes seconds to start workers)
+    span = max(t for *_, t in rs) - min(t for *_, t in rs)
+    assert span < 3.0 * SLOWDOWN - 3.0, (span, took, rs)
+    ev = raydag.last_run().events
+    won = ev[ev.event == "won"]
+    assert list(won.key) == [label] and won.duration.iloc[0] >= 0
+    cancelled = ev[(ev.event == "cancelled") & (ev.key == label)]
+    assert list(cancelled.reason) == ["superseded"] and not cancelled.duplicate.any()
+    assert raydag.last_run().summary()["duplicates_won"] == 1
+    assert_stores_empty()
+
+
+def test_original_node_killed_while_duplicate_runs_restarts_nothing(cluster, log):
+    """The long task's first node dies after its duplicate started: the duplicate
+    carries on and finishes; the task never starts a third time."""
+    spec = {"short-0": (0.3, False, ()), "short-1": (0.3, False, ()), "long": (8.0, False, ())}
+    spec["sum"] = (0.1, False, ("short-0", "short-1", "long"))
+    outputs = ["sum"]
+    result: dict[str, Any] = {}
+
+    def go() -> None:
+        try:
+            result["value"] = raydag.ray_get(graph(spec, log), outputs)
+        except BaseException as e:  # handed to the test thread
+            result["error"] = e
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while True:
+        starts = [(n, t) for k, lab, n, t in runs(log) if k == "start" and lab == "long"]
+        if len(starts) >= 2:
+            break
+        assert time.monotonic() < deadline, "no duplicate of the long task"
+        time.sleep(0.05)
+    time.sleep(1.0)  # the duplicate gets going
+    first = cluster.by_id(starts[0][0])
+    t_kill = time.time()
+    cluster.kill(first)
+    thread.join(120)
+    assert not thread.is_alive() and "error" not in result, result
+    assert_same(result.pop("value"), expected(spec, outputs))
+    rs = runs(log)
+    long_starts = [(n, t) for k, lab, n, t in rs if k == "start" and lab == "long"]
+    long_ends = [(n, t) for k, lab, n, t in rs if k == "end" and lab == "long"]
+    assert len(long_starts) == 2, long_starts  # no restart from scratch
+    assert long_ends and long_ends[0][0] == starts[1][0], long_ends
+    # it ended a full run after the duplicate began, well before a restart could have
+    assert long_ends[0][1] < t_kill + 8.0 - 0.5, (long_ends, t_kill)
+    won = raydag.last_run().events.query("event == 'won'")
+    assert list(won.key) == ["long"] and won.duration.iloc[0] > 0.5
+    assert_stores_empty()
+    add_node(cluster)
+
+
+def test_no_duplicate_while_every_cpu_is_busy(cluster, log):
+    """Three tasks on three CPUs: while all run, no CPU is idle, so no copy starts."""
+    spec = {f"busy-{i}": (2.5, False, ()) for i in range(3)}
+    outputs = list(spec)
+    got = raydag.ray_get(graph(spec, log), outputs)
+    assert_same(got, expected(spec, outputs))
+    del got
+    ev = raydag.last_run().events
+    first_end = ev[ev.event == "finished"].time.min()
+    early = ev[(ev.event == "duplicated") & (ev.time < first_end)]
+    assert early.empty, early
+    starts = [lab for k, lab, _, _ in runs(log) if k == "start"]
+    # a copy may start in the tail, once a CPU is free, but none while all were busy
+    assert sorted(set(starts)) == sorted(spec)
+    assert_stores_empty()
+
+
+def test_speculation_off_switch(cluster, log):
+    spec = {f"long-{i}": (3.0, True, ()) for i in range(3)}
+    outputs = list(spec)
+    with dask.config.set({"raydag.speculation.enabled": False}):
+        got = raydag.ray_get(graph(spec, log), outputs)
+    assert_same(got, expected(spec, outputs))
+    del got
+    starts = [lab for k, lab, _, _ in runs(log) if k == "start"]
+    assert sorted(starts) == sorted(spec)  # each once: no duplicate
+    assert raydag.last_run().events.query("event == 'duplicated'").empty
+    assert_stores_empty()
