@@ -128,7 +128,7 @@ def run_group(nodes: list, input_keys: tuple, notify: Any, *inputs: Any) -> tupl
             values[node.key] = node(values)
             durations.append(time.perf_counter() - t0)
     except Exception as e:  # a user's error: ship it back whole, do not let Ray retry
-        return None, Outcome(durations, error=_pack_exception(e), error_key=node.key)
+        return None, Outcome(durations, error=pack_exception(e), error_key=node.key)
     result = values[nodes[-1].key]
     ctx = ray.get_runtime_context()
     return result, Outcome(durations, sizeof(result), ctx.get_node_id(), os.getpid(), started)
@@ -190,7 +190,7 @@ def idle_cpus(alive: Mapping[str, float]) -> dict[str, float]:
     return {n: float(free.get(n, {}).get("CPU", 0.0)) for n in alive}
 
 
-def _pack_exception(e: BaseException) -> bytes:
+def pack_exception(e: BaseException) -> bytes:
     from tblib import Traceback
 
     tb = e.__traceback__.tb_next if e.__traceback__ else None  # drop run_group's frame
@@ -203,7 +203,7 @@ def _pack_exception(e: BaseException) -> bytes:
         return pickle.dumps((plain, Traceback(tb).as_dict() if tb else None))
 
 
-def _unpack_exception(blob: bytes) -> BaseException:
+def unpack_exception(blob: bytes) -> BaseException:
     from tblib import Traceback
 
     exc, tb = pickle.loads(blob)
@@ -533,7 +533,7 @@ class Runner:
             cause = e.cause if isinstance(e.cause, BaseException) else e
             return [TaskErred(sub.group, sub.root, cause)]
         if outcome.error is not None:
-            return [TaskErred(sub.group, outcome.error_key, _unpack_exception(outcome.error))]
+            return [TaskErred(sub.group, outcome.error_key, unpack_exception(outcome.error))]
         self.values[sub.root] = value_ref
         self.node_of[sub.root] = outcome.node
         self.nbytes[sub.root] = outcome.nbytes
