@@ -117,6 +117,8 @@ def runs(log: str, since: float = 0.0) -> list[Run]:
         return out
     with open(log) as f:
         for line in f:
+            if not line.endswith("\n"):  # a note being written as we read: next time
+                break
             kind, label, node, pid, t = line.split()
             if kind == "start":
                 r = Run(label, node, int(pid), float(t))
