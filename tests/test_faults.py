@@ -371,10 +371,14 @@ def test_node_killed_while_a_merge_fetches_its_inputs(cluster, logs, rlog):
     # only "every rerun part was made on the dead node", not exactly which ones.
     reran = {k for k, n in completions(log).items() if n > 1}
     on_dead = {r.label for r in runs(log) if r.node == death.node and r.end is not None}
+    # A part that noted its end on the dead node just before the kill, but whose result
+    # never reached the driver, is retried as running there: not a recomputation.
+    cut = rlog.cut(death.t_kill)
     waves = rlog.waves()
-    print(f"waves: {waves}\nreran: {sorted(reran)}")
+    print(f"waves: {waves}\nreran: {sorted(reran)}\ncut: {sorted(cut)}")
     assert reran <= on_dead
-    assert len(waves) == (1 if reran else 0), f"one wave for one death, got {len(waves)}: {waves}"
+    recomputed = reran - cut
+    assert len(waves) == (1 if recomputed else 0), f"one wave for one death: {waves}"
     del got
     assert_stores_empty()
 
