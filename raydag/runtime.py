@@ -113,7 +113,7 @@ class Outcome:
 def run_group(nodes: list, input_keys: tuple, notify: Any, *inputs: Any) -> tuple[Any, Outcome]:
     """Run fused dask tasks in order; return the last one's value and an Outcome.
 
-    ``notify``: ``(inbox, run, tag)`` to say where and when it started (speculation).
+    ``notify``: ``(inbox, run, tag)`` to say where and when it started (see ``_Inbox``).
     """
     started = time.time()
     if notify is not None:
@@ -140,12 +140,12 @@ _remote = ray.remote(num_returns=2, max_retries=0)(run_group)
 
 
 class _Inbox:
-    """Where tasks that may be duplicated say where and when they started.
+    """Where tasks not known to be cheap say where and when they started.
 
     Ray tells the driver nothing of a task until it ends (its state API needs the
-    dashboard), yet a duplicate must avoid the original's node and a task's runtime
+    dashboard), yet a duplicate must avoid the original's node, a task's runtime
     counts from its real start, not from its submission (it may wait for a worker
-    process). The task's one-way call costs it about a millisecond; the driver
+    process), and a running task holds its inputs when the node that made them dies. The task's one-way call costs it about a millisecond; the driver
     drains the inbox once per poll.
     """
 
@@ -332,9 +332,8 @@ class Runner:
             # Given values whose node died before this compute: one wave for all of them,
             # before their readers fail one by one.
             self.gone |= {n for n in self.node_of.values() if n and n not in self.nodes}
-            gone = [k for k, n in self.node_of.items() if n in self.gone]
-            if gone and not self.ray_first:
-                self._step(ResultsLost(tuple(self._lost(gone)), "node died before the compute"))
+            if self.gone and not self.ray_first:
+                self._step(ResultsLost(tuple(self._lost()), "node died before the compute"))
             last_poll = time.monotonic()
             while not self.state.done:
                 if not self.pending:
@@ -389,9 +388,7 @@ class Runner:
                 logger.warning("raydag: node %s died", node[:12])
         if dead and not self.ray_first:
             self._take_notes(wait=2.0)
-            # Values of nodes that died earlier too: one spared then because a reader
-            # pinned a copy is lost now if that reader is being cancelled.
-            lost = self._lost([k for k, n in self.node_of.items() if n in self.gone])
+            lost = self._lost()
             reason = "node died: " + ", ".join(sorted(n[:12] for n in dead))
             self._step(ResultsLost(tuple(lost), reason))
         if changed:
@@ -434,8 +431,10 @@ class Runner:
             if run == self.run_id and live:
                 self._step(TaskStarted(group, node, t))
 
-    def _lost(self, keys: list, ended: Collection = ()) -> list:
-        """Those of ``keys`` whose value is gone with its node.
+    def _lost(self, also: Collection = (), ended: Collection = ()) -> list:
+        """The values gone with their nodes: of every gone node, not only the latest
+        (one spared then because a reader held it is lost now if that reader is being
+        cancelled), and of ``also`` those whose node raydag does not know.
 
         A value made on a gone node (its primary copy) is lost unless a task running
         on an alive node reads it: that task fetched it before it started and holds
@@ -446,8 +445,9 @@ class Runner:
         does not know, is judged by its copies alone. ``ended``: copies (Ray tasks)
         known to have ended, whatever the state machine has heard yet.
         """
-        keys = [k for k in keys if k in self.values]
-        keys = [k for k in keys if self.node_of.get(k) in self.gone or not self.node_of.get(k)]
+        on_gone = [k for k, n in self.node_of.items() if n in self.gone]
+        unknown = [k for k in also if k in self.values and not self.node_of.get(k)]
+        keys = [k for k in dict.fromkeys([*on_gone, *unknown]) if k in self.values]
         if not keys:
             return []
         refs = [self.values[k] for k in keys]
@@ -524,8 +524,7 @@ class Runner:
                 logger.warning("raydag: node %s lost a value: taking it for dead",
                                ", ".join(sorted(n[:12] for n in suspects)))  # fmt: skip
                 self.gone |= suspects
-            on_gone = [k for k, n in self.node_of.items() if n in self.gone]
-            lost = self._lost(list(dict.fromkeys([*sub.inputs, *on_gone])), ended={sub.group})
+            lost = self._lost(also=sub.inputs, ended={sub.group})
             lost += [k for k in culprits if k not in lost]
             events: list = [ResultsLost(tuple(lost), f"input of {sub.root!r} lost")] if lost else []
             return [*events, TaskErred(sub.group, sub.root, e, node_lost=True)]
