@@ -93,14 +93,14 @@ EVENT_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("group", "int64", "the Ray task (fused group) the task ran in"),
     ("attempt", "int64", "0 for the first try, n for the n-th retry"),
     ("wave", "int64", "the recovery wave it is recomputed in, 0 if none"),
-    ("node", "string", "the node it ran on (hex node id)"),
+    ("node", "string", "the node it ran on (hex node id); submitted: the node raydag chose"),
     ("worker", "int64", "the worker process id"),
     ("nbytes", "int64", "size of its value (finished, last task of a group)"),
     ("input_bytes", "int64", "known sizes of the group's inputs (on the group's last task)"),
     ("duration", "float64", "seconds it ran (finished)"),
     ("duplicate", "bool", "it ran as a duplicate of a copy already running"),
     ("slots", "float64", "task slots after a capacity change"),
-    ("reason", "string", "why: the error, the loss"),
+    ("reason", "string", "why: the error, the loss; submitted: why raydag chose the node"),
     ("run", "int64", "which compute, when records are merged (0 otherwise)"),
 )
 
@@ -329,10 +329,12 @@ class Recorder:
                     group, attempt = ins.group, ins.attempt
                     groups[group] = (keys, attempt, wave, dup, inb)
                     kind = DUPLICATED if dup else SUBMITTED
+                    # where it was sent: a duplicate's node, or where placement put it
+                    node, why = ins.node, ins.placed or None
                     for k in keys:
                         name, cat = names[k]
-                        add((t, seq, kind, name, cat, group, attempt, wave, None, None, None,
-                             None, None, dup, None, None, 0))  # fmt: skip
+                        add((t, seq, kind, name, cat, group, attempt, wave, node, None, None,
+                             None, None, dup, None, why, 0))  # fmt: skip
                 elif icls is Cancel:
                     g = groups.pop(ins.group, None)
                     if g is not None:

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import math
 import os
 import pickle
 import time
@@ -35,11 +36,13 @@ from raydag.state import (
     Fail,
     Fusion,
     Instruction,
+    Placement,
     Recover,
     Release,
     ResultsLost,
     Speculation,
     State,
+    StoresSampled,
     Submit,
     TaskErred,
     TaskFinished,
@@ -172,7 +175,10 @@ def inbox() -> Any:
     if _inbox is None or _inbox[0] != session:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        here = NodeAffinitySchedulingStrategy(ctx.get_node_id(), soft=True)
+        # Hard affinity: the driver's node lives as long as the driver does, and an
+        # inbox elsewhere would lose its notes with that node (soft affinity let Ray
+        # put it on a worker node now and then).
+        here = NodeAffinitySchedulingStrategy(ctx.get_node_id(), soft=False)
         actor = (
             ray.remote(_Inbox)
             .options(num_cpus=0, max_restarts=-1, scheduling_strategy=here)
@@ -290,6 +296,7 @@ class Runner:
         nodes: dict[str, float],
         callbacks: Any = (),
         observers: Sequence[Callable[[Event | None, list[Instruction]], None]] = (),
+        sampler: StoreSampler | None = None,
     ):
         self.graph = graph
         self.state = state
@@ -314,6 +321,9 @@ class Runner:
         self.ray_retries = int(config.get("retries"))
         self._options: dict[Any, Any] = {}
         self.speculation = state.speculation.enabled
+        # the object stores, sampled in a thread: placement reads each new round
+        self.sampler = sampler if state.placement.enabled else None
+        self._round = 0
         self.run_id = next(_runs)
         self._inbox: Any = None
         self._drain: ray.ObjectRef | None = None
@@ -399,9 +409,17 @@ class Runner:
         if self.state.done:
             return
         self._take_notes(wait=0)
+        alive = {n: c for n, c in self.nodes.items() if n not in self.gone}
+        idle = None
+        if self.sampler is not None and self.sampler.rounds != self._round:
+            self._round = self.sampler.rounds
+            stats = self.sampler.latest
+            # nodes that can run tasks: a head without CPUs holds values, runs nothing
+            stores = {n: (s.used_bytes, s.capacity_bytes) for n, s in stats.items() if alive.get(n)}
+            idle = idle_cpus(alive)
+            self._step(StoresSampled(stores, idle), quiet=True)
         if self.speculation:
-            alive = {n: c for n, c in self.nodes.items() if n not in self.gone}
-            self._step(Tick(time.time(), idle_cpus(alive)), quiet=True)
+            self._step(Tick(time.time(), idle or idle_cpus(alive)), quiet=True)
 
     def _take_notes(self, wait: float) -> None:
         """Pass on the start notes the inbox holds; ask for the next ones. With ``wait``,
@@ -604,19 +622,21 @@ class Runner:
 
     def _submit(self, sub: Submit) -> None:
         spec = tuple(sorted(sub.resources.items())) if sub.resources else None
-        fn = self._options.get(spec)
-        if fn is None or sub.node is not None:
+        fn = self._options.get((spec, sub.node, sub.soft))
+        if fn is None:
             opts = _ray_options(sub.resources)
             if self.ray_first:
                 opts["max_retries"] = self.ray_retries
             if sub.node is not None:
-                # A duplicate: on that node and no other (soft=False), never by its original.
+                # A duplicate: on that node and no other (soft=False), never by its
+                # original. A placed task: there if it can, elsewhere if that node is
+                # gone or has no CPU free (soft, spilling).
                 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-                opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(sub.node, False)
-                fn = _remote.options(**opts)
-            else:
-                fn = self._options[spec] = _remote.options(**opts)
+                opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                    sub.node, soft=sub.soft, _spill_on_unavailable=sub.soft
+                )
+            fn = self._options[(spec, sub.node, sub.soft)] = _remote.options(**opts)
         notify = None
         if sub.notify:
             if self._inbox is None:
@@ -671,6 +691,16 @@ def fusion_settings() -> Fusion:
     )
 
 
+def placement_settings() -> Placement:
+    hw = float(config.get("placement.high-water"))
+    if not 0.0 < hw <= 1.0:
+        raise ValueError(f"raydag.placement.high-water must be in (0, 1], not {hw!r}")
+    balance = float(config.get("placement.balance"))
+    if not 0.0 <= balance <= 1.0:
+        raise ValueError(f"raydag.placement.balance must be in [0, 1], not {balance!r}")
+    return Placement(enabled=bool(config.get("placement.enabled")), high_water=hw, balance=balance)
+
+
 def speculation_settings() -> Speculation:
     def opt(key: str) -> float | None:
         return None if config.get(key) is None else config.seconds(key)
@@ -715,11 +745,15 @@ def run(
         cheap_cost=float(config.get("scheduling.cheap-task-cost")),
         speculation=(spec := speculation_settings()),
         seed_runtimes=seed_runtimes() if spec.enabled else None,
+        placement=placement_settings(),
     )
-    with local_callbacks(callbacks) as cbs, _watching(graph, state, nodes, cbs) as observers:
+    with (
+        local_callbacks(callbacks) as cbs,
+        _watching(graph, state, nodes, cbs) as (observers, sampler),
+    ):
         started = []
         failed = True
-        runner = Runner(graph, state, nodes, cbs, observers)
+        runner = Runner(graph, state, nodes, cbs, observers, sampler)
         try:
             for cb in cbs:
                 if cb[0]:
@@ -740,25 +774,33 @@ def run(
 @contextlib.contextmanager
 def _watching(
     graph: Graph, state: State, nodes: dict[str, float], callbacks: Any
-) -> Iterator[list[Callable[[Event | None, list[Instruction]], None]]]:
-    """The compute's observers: its run record and progress display, and the
-    object-store sampler whose rounds they show (only when written or displayed)."""
+) -> Iterator[tuple[list[Callable[[Event | None, list[Instruction]], None]], Any]]:
+    """The compute's observers: its run record and progress display; and the
+    object-store sampler, whose rounds they show and placement reads (only when
+    written, displayed or placing)."""
     keep, sample = record.wanted(len(graph))
     recorder = record.Recorder(graph, nodes, alive_nodes) if keep else None
     display = progress.start(state, callbacks)
     sampler = None
-    if sample or display is not None:
+    placing = state.placement.enabled
+    if sample or display is not None or placing:
         try:
-            interval = config.seconds("record.store-interval")
+            interval = min(
+                config.seconds("record.store-interval") if sample or display else math.inf,
+                config.seconds("placement.interval") if placing else math.inf,
+            )
             on_round = display.stores if display is not None else None
-            sampler = StoreSampler(interval, on_round=on_round, reader=shared_reader())
+            keeping = bool(sample or display is not None)  # placement needs only the latest
+            sampler = StoreSampler(
+                interval, on_round=on_round, reader=shared_reader(), keep=keeping
+            )
             sampler.start(wait=False)  # the first round in its thread: the compute goes on
         except Exception as e:  # the record goes on without store samples
             logger.warning("raydag: cannot sample the object stores: %s", e)
             sampler = None
     error = None
     try:
-        yield [o for o in (recorder, display) if o is not None]
+        yield [o for o in (recorder, display) if o is not None], sampler
     except BaseException as e:
         error = e
         raise

@@ -59,6 +59,10 @@ class Submit:
     # A speculative copy of group ``duplicate_of``, to run on ``node`` and nowhere else.
     duplicate_of: int | None = None
     node: str | None = None
+    # ``node`` is a preference (storage-aware placement), not a must: if that node is
+    # gone or busy, Ray runs the task elsewhere. ``placed``: why it was chosen.
+    soft: bool = False
+    placed: str = ""
 
     @property
     def root(self) -> Key:
@@ -191,7 +195,27 @@ class Tick:
     idle: Mapping[str, float] = field(default_factory=dict)
 
 
-Event = TaskFinished | TaskErred | CapacityChanged | Aborted | ResultsLost | TaskStarted | Tick
+@dataclass(frozen=True)
+class StoresSampled:
+    """Every alive node's object store (``(used, capacity)`` bytes) and free CPUs, now.
+
+    Placement is decided from the latest sample: a few a second, from the raylets.
+    """
+
+    stores: Mapping[str, tuple[int, int]]
+    idle: Mapping[str, float] = field(default_factory=dict)
+
+
+Event = (
+    TaskFinished
+    | TaskErred
+    | CapacityChanged
+    | Aborted
+    | ResultsLost
+    | TaskStarted
+    | Tick
+    | StoresSampled
+)
 
 
 @dataclass
@@ -248,6 +272,29 @@ class Speculation:
     max_copies: int = 1
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a task should run, given how full each node's object store is (see README).
+
+    A node is *full* above ``high_water`` (a fraction of its store), and *crowded*
+    when full or, above half the high-water mark, fuller than the emptiest node by
+    more than ``balance``. While no node is crowded, Ray's own locality decides (the
+    node holding most of a task's input bytes). Once one is, raydag places every
+    task itself: on that preferred node unless it is crowded, else on the node with
+    the most free store among those with a free CPU. While a node is full, tasks
+    that read intermediates go before tasks that read none, so the stores drain
+    before they fill.
+    """
+
+    enabled: bool = False
+    high_water: float = 0.7
+    balance: float = 0.1
+    # Only tasks whose category's values are this big on average are placed: moving a
+    # task that makes little (a summary, a value Ray inlines) frees nothing where its
+    # inputs are and copies them where it goes.
+    min_output: int = 100 * 1024
+
+
 class Runtimes:
     """A category's runtimes: count and total (the mean), the latest samples (quantiles)."""
 
@@ -300,6 +347,7 @@ class State:
         fixed: Iterable[Key] = (),
         speculation: Speculation = Speculation(),
         seed_runtimes: Mapping[str, Iterable[float]] | None = None,
+        placement: Placement = Placement(),
     ):
         self.dependencies = {k: frozenset(v) for k, v in dependencies.items()}
         self.dependents: dict[Key, set] = {k: set() for k in self.dependencies}
@@ -344,6 +392,18 @@ class State:
             for x in seconds:
                 r.add(float(x))
         self.copy_of: dict[int, int] = {}  # duplicate copy id -> its group's id
+        self.placement = placement
+        self.nbytes: dict[Key, int] = {}  # size of each value in memory, as measured
+        # the latest store sample: node -> (used, capacity) bytes, and free CPUs per
+        # node (less what was placed there since)
+        self.stores: dict[str, tuple[int, int]] = {}
+        self.idle: dict[str, float] = {}
+        self.full: set[str] = set()  # nodes whose store is above the high-water mark
+        self.crowded: set[str] = set()  # full, or much fuller than the emptiest node
+        self.sizes: dict[str, list] = {}  # category -> [count, total bytes] of its values
+        # ready keys that read no intermediate (sources): under store pressure they
+        # wait behind ready keys that do (consumers), which free what they read
+        self.ready_sources: list[tuple[int, int, int, Key]] = []
         self.now = 0.0  # the latest Tick's wall clock
         self._next_group = 0
         self._seq = 0
@@ -420,6 +480,8 @@ class State:
             if g is not None:
                 c = g.copies[event.group]
                 c.node, c.started = event.node, event.started
+        elif isinstance(event, StoresSampled):
+            self._sampled(event)
         elif isinstance(event, Tick):
             self.now = max(self.now, event.now)
             self._fill(out)
@@ -441,10 +503,14 @@ class State:
         self.state[key] = READY
         self._seq += 1
         tier = 0 if key in self.recovering else 1
-        heapq.heappush(self.ready, (tier, self.priorities[key], self._seq, key))
+        entry = (tier, self.priorities[key], self._seq, key)
+        source = self.dependencies[key] <= self.available  # reads no intermediate
+        heapq.heappush(self.ready_sources if source else self.ready, entry)
 
     def _release(self, key: Key, out: list[Instruction]) -> None:
         self.state[key] = RELEASED
+        self.where.pop(key, None)
+        self.nbytes.pop(key, None)
         out.append(Release(key))
 
     def _live(self, copy: int) -> Group | None:
@@ -497,6 +563,10 @@ class State:
             self.recovering.discard(m)
         self.state[root] = MEMORY
         self.where[root] = ev.node
+        self.nbytes[root] = ev.nbytes
+        size = self.sizes.setdefault(self.category(root), [0, 0])
+        size[0] += 1
+        size[1] += ev.nbytes
         for d in self.dependents[root]:
             if self.state[d] != WAITING:  # given, or released lineage of a given value
                 continue
@@ -604,6 +674,7 @@ class State:
         for k in recompute:
             self.state[k] = WAITING
             self.where.pop(k, None)
+            self.nbytes.pop(k, None)
         self.recovering.update(recompute)
         self.wave += 1
         out.append(Recover(self.wave, tuple(lost), tuple(recompute), ev.reason))
@@ -633,6 +704,7 @@ class State:
         self.group_of.clear()
         self.used = 0.0
         self.ready.clear()
+        self.ready_sources.clear()
         for k, s in self.state.items():
             if s == MEMORY:
                 self._release(k, out)
@@ -642,15 +714,12 @@ class State:
     def _fill(self, out: list[Instruction]) -> None:
         if self.failed or self.aborted:
             return
-        while self.ready:
-            key = self.ready[0][-1]
-            if self.state[key] != READY:  # pulled into an earlier group, or lost an input
-                heapq.heappop(self.ready)
-                continue
+        while (heap := self._next_ready()) is not None:
+            key = heap[0][-1]
             cost = self._cost(key, self.estimate(key))
             if self.used and self.used + cost > self.capacity and not self._preempt(cost, out):
                 return
-            heapq.heappop(self.ready)
+            heapq.heappop(heap)
             keys = self._fuse(key)
             if len(keys) > 1:
                 fused = self._cost(key, sum(self.estimate(k) or 0.0 for k in keys))
@@ -670,12 +739,27 @@ class State:
                 self.group_of[m] = group.id
             out.append(self._submit_instruction(group))
 
+    def _next_ready(self) -> list | None:
+        """The heap whose top runs next: by priority, but consumers first while a store
+        is full (what they read is freed when they finish; a source only adds)."""
+        for h in (self.ready, self.ready_sources):
+            while h and self.state[h[0][-1]] != READY:  # fused into a group, or input lost
+                heapq.heappop(h)
+        if not self.ready_sources:
+            return self.ready or None
+        if not self.ready:
+            return self.ready_sources
+        if self.full or self.ready[0] < self.ready_sources[0]:
+            return self.ready
+        return self.ready_sources
+
     def _submit_instruction(self, group: Group) -> Submit:
         """The group's first copy (again, after a retry): the only one running it."""
         for c in group.copies:
             self.copy_of.pop(c, None)
         group.copies = {group.id: Copy()}
         root = group.keys[-1]
+        node, why = self._place(group)
         return Submit(
             group.id,
             group.keys,
@@ -686,7 +770,72 @@ class State:
             # Where and since when a task runs: for duplicates, and because a running
             # task holds its inputs (a node that made them may die, see the runtime).
             notify=not all(self._cheap(k) for k in group.keys),
+            node=node,
+            soft=node is not None,
+            placed=why,
         )
+
+    # ---- placement --------------------------------------------------------------
+
+    def _sampled(self, ev: StoresSampled) -> None:
+        if not self.placement.enabled:
+            return
+        self.stores = dict(ev.stores)
+        self.idle = dict(ev.idle)
+        self._crowding()
+
+    def _crowding(self) -> None:
+        p = self.placement
+        filled = {n: used / cap for n, (used, cap) in self.stores.items() if cap}
+        low = min(filled.values(), default=0.0)
+        self.full = {n for n, f in filled.items() if f > p.high_water}
+        heavy = {n for n, f in filled.items() if f > p.high_water / 2 and f - low > p.balance}
+        self.crowded = self.full | heavy
+
+    def _place(self, group: Group) -> tuple[str | None, str]:
+        """The node for a group's first copy, and why; ``None``: Ray's locality decides.
+
+        Only while some store is crowded, and only groups whose category makes big
+        values (``min_output``): then the node holding most of the group's
+        input bytes, unless it is crowded too, else the node with the most free store
+        among those not crowded with a free CPU (or else not crowded, or else not
+        full; when every store is full, Ray decides: moving work would only add
+        copies).
+        What is placed counts against the node until the next sample: its CPUs, the
+        inputs it fetches and the output its category usually makes.
+        """
+        if not self.crowded:
+            return None, ""
+        root = group.keys[-1]
+        count, total = self.sizes.get(self.category(root), (0, 0))
+        if not count or total / count < self.placement.min_output:
+            return None, ""
+        r = self.resources.get(root) or {}
+        if set(r) - {"CPU", "GPU", "memory"}:  # custom resources say where it may run
+            return None, ""
+        cpus = float(r.get("CPU", 1))
+        held: dict[str, int] = {}
+        for d in group.inputs:
+            n = self.where.get(d)
+            if n in self.stores:
+                held[n] = held.get(n, 0) + self.nbytes.get(d, 0)
+        best = max(held, key=lambda n: (held[n], n)) if held else None
+        if best is not None and best not in self.crowded:
+            node, why = best, "holds most input bytes"
+        else:
+            roomy = [n for n in self.stores if n not in self.crowded]
+            free = [n for n in roomy if self.idle.get(n, 0.0) >= cpus]
+            some = free or roomy or [n for n in self.stores if n not in self.full]
+            if not some:  # every store is full: moving work would only add copies
+                return None, ""
+            node = max(some, key=lambda n: (self.stores[n][1] - self.stores[n][0], n))
+            why = "most free store" + (f"; {best[:12]} is crowded" if best else "")
+        self.idle[node] = self.idle.get(node, 0.0) - cpus
+        used, cap = self.stores[node]
+        used += sum(b for n, b in held.items() if n != node) + total // count
+        self.stores[node] = (used, cap)
+        self._crowding()
+        return node, why
 
     # ---- speculation ------------------------------------------------------------
 
@@ -723,9 +872,7 @@ class State:
         sp = self.speculation
         if not sp.enabled or self.failed or self.aborted:
             return
-        while self.ready and self.state[self.ready[0][-1]] != READY:
-            heapq.heappop(self.ready)
-        if self.ready:  # first copies go first
+        if self._next_ready() is not None:  # first copies go first
             return
         idle = {n: c for n, c in tick.idle.items() if c > 0}
         candidates = []
@@ -883,7 +1030,13 @@ class State:
         stopped = self.failed or self.aborted
         finished = (MEMORY, RELEASED)
         assert set(self.state) == set(self.dependencies)
-        in_heap = {e[-1] for e in self.ready if self.state[e[-1]] == READY}
+        heaps = (*self.ready, *self.ready_sources)
+        in_heap = {e[-1] for e in heaps if self.state[e[-1]] == READY}
+        assert all(self.dependencies[e[-1]] <= self.available for e in self.ready_sources)
+        assert self.full <= self.crowded <= set(self.stores), (self.crowded, self.stores)
+        assert all(
+            k in self.nbytes for k, s in self.state.items() if s == MEMORY and k in self.where
+        )
         if not stopped:
             assert in_heap == {k for k, s in self.state.items() if s == READY}
         for k, s in self.state.items():

@@ -206,15 +206,18 @@ class StoreSampler:
         timeout: float = 2.0,
         on_round: Callable[[float, dict[NodeId, StoreStats]], None] | None = None,
         reader: StoreReader | None = None,
+        keep: bool = True,
     ) -> None:
         if interval <= 0:
             raise ValueError("interval must be positive")
         self.interval = interval
         self.samples: list[Sample] = []
+        self.keep = keep  # keep every round's samples (else only the latest and peaks)
         self.peak_total_used = 0
         self.peak_total_time: float | None = None
         self.peak_used: dict[NodeId, int] = {}
         self.rounds = 0
+        self.latest: dict[NodeId, StoreStats] = {}  # the last round's stats
         self._totals: list[tuple[float, int]] = []
         self._on_round = on_round
         # A given reader (e.g. ``shared_reader()``) is someone else's: not closed here.
@@ -267,11 +270,15 @@ class StoreSampler:
         stats = self._reader.read()
         with self._lock:
             self.rounds += 1
+            self.latest = stats
             total = 0
             for node, s in stats.items():
-                self.samples.append(
-                    Sample(t, node, s.used_bytes, s.capacity_bytes, s.spilled_bytes, s.num_objects)
-                )
+                if self.keep:
+                    self.samples.append(
+                        Sample(
+                            t, node, s.used_bytes, s.capacity_bytes, s.spilled_bytes, s.num_objects
+                        )
+                    )
                 total += s.used_bytes
                 if s.used_bytes > self.peak_used.get(node, -1):
                     self.peak_used[node] = s.used_bytes

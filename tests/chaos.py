@@ -369,7 +369,8 @@ class _Replay:
 class Clusters:
     """One cluster at a time for the module; a test that needs other Ray settings restarts it."""
 
-    def __init__(self) -> None:
+    def __init__(self, **cluster: Any) -> None:
+        self.cluster = cluster  # MultiNodeCluster's settings: cpus, store_bytes...
         self.current: MultiNodeCluster | None = None
         self.config: dict | None = None
         self.old_path: str | None = None
@@ -383,7 +384,7 @@ class Clusters:
         self.old_path = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, self.old_path) if p)
         for attempt in (1, 2):  # on a loaded machine the head may miss Ray's 30 s deadline
-            c = MultiNodeCluster(system_config=system_config)
+            c = MultiNodeCluster(system_config=system_config, **self.cluster)
             try:
                 self.current = c.__enter__()
                 break

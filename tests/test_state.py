@@ -22,11 +22,13 @@ from raydag.state import (
     CapacityChanged,
     Fail,
     Fusion,
+    Placement,
     Recover,
     Release,
     ResultsLost,
     Speculation,
     State,
+    StoresSampled,
     Submit,
     TaskErred,
     TaskFinished,
@@ -91,6 +93,7 @@ class Scenario:
     cheap_cost: float = 1.0  # slots taken by a task measured cheap (exact in binary)
     fixed: set = dataclasses.field(default_factory=set)  # given, with no lineage here
     speculation: Speculation = Speculation()
+    placement: Placement = Placement()
 
     def state(self) -> State:
         return State(
@@ -107,6 +110,7 @@ class Scenario:
             cheap_cost=self.cheap_cost,
             fixed=self.fixed,
             speculation=self.speculation,
+            placement=self.placement,
         )
 
 
@@ -955,6 +959,161 @@ def test_random_runs_with_duplicates(sc, data):
         event("a duplicate was preempted")
     if d.spared:
         event("a copy died while another ran on")
+
+
+class PlacementDriver(Driver):
+    """The model under store pressure: values live on nodes of known fullness.
+
+    It keeps its own count of each node's store and free CPUs: the latest sample,
+    plus what each placement adds (the inputs it fetches, a value like its
+    category's, its CPUs). From it, every first copy's node is predicted: none while
+    no store is crowded (Ray decides), nor for small values or custom resources;
+    else where its inputs are unless that node is crowded, else the roomiest node
+    with a free CPU, never a full one; none if every store is full. While a store
+    is full, ready work that reads intermediates goes before work that reads none.
+    """
+
+    NODES = ("node0", "node1", "node2")  # where Driver.finish puts values
+    CAP = 1000
+    NBYTES = 8  # Driver.finish's value size
+
+    def __init__(self, sc: Scenario):
+        self.full: set = set()
+        self.stores: dict = {}  # node -> used bytes, as counted
+        self.idle: dict = {}
+        self.sizes: dict = {}  # category -> the size of its values (all alike)
+        self.where: dict = {}
+        self.placed = 0
+        super().__init__(sc)
+
+    def finish(self, gid: int) -> list:
+        sub = self.inflight[gid]
+        self.sizes[self.sc.categories[sub.root]] = self.NBYTES
+        self.where[sub.root] = f"node{gid % 3}"
+        return super().finish(gid)
+
+    def sample(self, used: dict, idle: dict) -> list:
+        self.stores, self.idle = dict(used), dict(idle)
+        self.full = self._crowding()[0]
+        out = self.state.handle(StoresSampled({n: (u, self.CAP) for n, u in used.items()}, idle))
+        self._apply(out)
+        return out
+
+    def _crowding(self) -> tuple[set, set]:
+        p = self.sc.placement
+        low = min(self.stores.values(), default=0)
+        full = {n for n, u in self.stores.items() if u > p.high_water * self.CAP}
+        heavy = {
+            n
+            for n, u in self.stores.items()
+            if u > p.high_water / 2 * self.CAP and u - low > p.balance * self.CAP
+        }
+        return full, full | heavy
+
+    def _rank(self, key) -> tuple:
+        rank = super()._rank(key)
+        return (self.deps[key] <= self.sc.available, *rank) if self.full else rank
+
+    def _expected_node(self, sub: Submit) -> str | None:
+        full, crowded = self._crowding()
+        size = self.sizes.get(self.sc.categories[sub.root])
+        r = self.sc.resources.get(sub.root) or {}
+        custom = set(r) - {"CPU", "GPU", "memory"}
+        if not crowded or size is None or size < self.sc.placement.min_output or custom:
+            return None
+        held: dict = {}
+        for d in sub.inputs:
+            if d in self.where and d not in self.sc.available:
+                held[self.where[d]] = held.get(self.where[d], 0) + self.NBYTES
+        best = max(held, key=lambda n: (held[n], n)) if held else None
+        if best is not None and best not in crowded:
+            node = best
+        else:
+            roomy = [n for n in self.NODES if n not in crowded]
+            cpus = float(r.get("CPU", 1))
+            free = [n for n in roomy if self.idle.get(n, 0) >= cpus]
+            some = free or roomy or [n for n in self.NODES if n not in full]
+            if not some:
+                return None
+            node = max(some, key=lambda n: (self.CAP - self.stores[n], n))
+        self.idle[node] = self.idle.get(node, 0) - float(r.get("CPU", 1))
+        self.stores[node] += sum(b for n, b in held.items() if n != node) + size
+        return node
+
+    def _check_submit(self, sub: Submit) -> None:
+        super()._check_submit(sub)
+        node = self._expected_node(sub) if self.stores else None
+        assert sub.node == node, (sub, node, self.stores)
+        assert sub.soft == (node is not None) and bool(sub.placed) == sub.soft, sub
+        self.placed += node is not None
+
+
+@SETTINGS
+@given(sc=scenarios(), data=st.data())
+def test_random_runs_under_store_pressure(sc, data):
+    """Samples of store fullness arrive at random: placement never picks a full node,
+    prefers the node holding the inputs, and puts consumers first while a store is
+    full; release, order and capacity stay right."""
+    sc.placement = Placement(
+        enabled=True,
+        high_water=data.draw(st.sampled_from([0.5, 0.8])),
+        balance=data.draw(st.sampled_from([0.05, 0.1, 0.5])),
+        min_output=data.draw(st.sampled_from([0, 8, 9])),  # values are 8 bytes
+    )
+    d = PlacementDriver(sc)
+    d.start()
+    while d.inflight:
+        if data.draw(st.integers(0, 3)) == 3:  # mostly finish: the simplest run ends
+            level = st.sampled_from([0, 100, 600, 900, 1000])
+            used = {n: data.draw(level) for n in d.NODES}
+            idle = {n: data.draw(st.sampled_from([0, 1, 2])) for n in d.NODES}
+            d.sample(used, idle)
+        else:
+            d.finish(data.draw(st.sampled_from(sorted(d.inflight))))
+    d.check_complete()
+    d.label()
+    event("placed some" if d.placed else "placed none")
+    event("a store full at the end" if d.full else "no store full at the end")
+
+
+def test_placement_steers_off_a_full_node_and_consumers_go_first():
+    deps = {"a": set(), "b": set(), "x": {"a"}, "y": {"b"}, "s": set(), "z": {"x", "y", "s"}}
+    prio = {"s": 0, "a": 1, "b": 2, "x": 3, "y": 4, "z": 5}
+    one_kind = {"category": lambda k: "c", "placement": Placement(enabled=True, min_output=0)}
+    s = State(deps, prio, ["z"], capacity=2, **one_kind)
+    first = submits(s.start())
+    assert [f.root for f in first] == ["s", "a"] and all(f.node is None for f in first)
+    assert submits(s.handle(TaskFinished(first[1].group, {"a": 1.0}, 500, "n0"))) == [
+        Submit(2, ("b",), (), 2, None, notify=True)
+    ]
+    # n0 (holding a) is full, n1 has the most free store and a free CPU
+    stores = {"n0": (900, 1000), "n1": (100, 1000), "n2": (300, 1000)}
+    assert s.handle(StoresSampled(stores, {"n0": 1, "n1": 1, "n2": 1})) == []
+    (x,) = submits(s.handle(TaskFinished(first[0].group, {"s": 1.0}, 10, "n2")))
+    assert (x.root, x.node, x.soft) == ("x", "n1", True) and "n0" in x.placed
+    s.validate_state()
+    # n1 counts x's input it fetches and a value of its category's mean size
+    assert s.stores["n1"] == (100 + 500 + 255, 1000) and s.full == {"n0", "n1"}
+    (y,) = submits(s.handle(TaskFinished(2, {"b": 1.0}, 100, "n2")))
+    assert (y.root, y.node) == ("y", "n2")  # b's node, not full: locality
+    s.validate_state()
+    # store pressure: a ready consumer goes before a ready source of better priority
+    deps = {"src1": set(), "src2": set(), "use": {"src1"}, "end": {"use", "src2"}}
+    prio = {"src1": 0, "src2": 1, "use": 2, "end": 3}
+    s = State(deps, prio, ["end"], capacity=1, **one_kind)
+    (a,) = submits(s.start())
+    s.handle(StoresSampled({"n0": (950, 1000), "n1": (0, 1000)}, {"n1": 1}))
+    (b,) = submits(s.handle(TaskFinished(a.group, {"src1": 1.0}, 10, "n0")))
+    assert b.root == "use"  # not src2, though src2 ranks first
+    s.validate_state()
+
+
+def test_placement_off_ignores_samples():
+    s = State({"a": set(), "b": {"a"}}, {"a": 0, "b": 1}, ["b"], capacity=1)
+    (a,) = submits(s.start())
+    s.handle(StoresSampled({"n0": (999, 1000), "n1": (0, 1000)}, {"n1": 1}))
+    (b,) = submits(s.handle(TaskFinished(a.group, {"a": 1.0}, 10, "n0")))
+    assert b.node is None and not s.full
 
 
 # ---- examples -------------------------------------------------------------------
