@@ -12,8 +12,9 @@ and a 100 MiB object store each. Two graphs from ``tests/workloads.py``:
 Contenders, in one run, interleaved, each repeated: raydag (placement on, the
 default), raydag with placement off (locality only: Ray's placement), and Ray's
 ``ray_dask_get``. Peaks are the largest ``used`` bytes each node's raylet reported,
-sampled every 50 ms (secondary copies included); spilled is what the raylets spilled
-during the compute.
+sampled every 50 ms (secondary copies included), pinned the largest primary-copy
+bytes; spilled is what the raylets spilled during the compute. Each compute runs on a
+fresh cluster.
 
     python bench/placement.py [--repeat 3] [--json out.json]
 """
@@ -37,7 +38,7 @@ from raydag.stores import StoreSampler
 TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
 sys.path.insert(0, os.path.abspath(TESTS))
 import workloads  # noqa: E402
-from harness import MultiNodeCluster  # noqa: E402
+from chaos import Clusters  # noqa: E402
 
 MB = 2**20
 STORE = 100 * MB
@@ -52,14 +53,26 @@ CONTENDERS = {
 }
 
 
-def one(graph: str, contender: str, nodes: dict) -> dict:
+def one(graph: str, contender: str) -> dict:
+    """One compute on a fresh cluster: Ray keeps cached copies (and what it restored
+    from spill) in the stores after a compute, which would count in the next one's."""
     get, cfg = CONTENDERS[contender]
     spec = GRAPHS[graph]
-    g = workloads.chains(**spec)
-    with dask.config.set(cfg), StoreSampler(0.05) as s:
-        t0 = time.perf_counter()
-        got = dask.compute(*g, scheduler=get)
-        wall = time.perf_counter() - t0
+    clusters = Clusters(nodes=3, cpus=2, store_bytes=STORE)  # retries a slow start
+    try:
+        c = clusters.get()
+        nodes = [n.node_id for n in c.nodes]
+        dask.compute(*workloads.chains(1, 10, MB), scheduler=raydag.ray_get)  # warm workers
+        g = workloads.chains(**spec)
+        with dask.config.set(cfg), StoreSampler(0.05) as s:
+            t0 = time.perf_counter()
+            got = dask.compute(*g, scheduler=get)
+            wall = time.perf_counter() - t0
+        primary: dict = {}
+        for x in s.samples:  # pinned copies are read in the same round
+            primary[x.node] = max(primary.get(x.node, 0), x.primary_bytes)
+    finally:
+        clusters.close()
     assert np.allclose(got, workloads.chains_expected(spec["n"], spec["length"])), got
     first: dict = {}
     last: dict = {}
@@ -67,6 +80,7 @@ def one(graph: str, contender: str, nodes: dict) -> dict:
         first.setdefault(x.node, x.spilled_bytes)
         last[x.node] = x.spilled_bytes
     peaks = [s.peak_used.get(n, 0) for n in nodes]
+    pinned = [primary.get(n, 0) for n in nodes]
     return {
         "graph": graph,
         "contender": contender,
@@ -74,6 +88,8 @@ def one(graph: str, contender: str, nodes: dict) -> dict:
         "peaks": peaks,
         "max_peak": max(peaks),
         "max_over_mean": max(peaks) / (sum(peaks) / len(peaks)),
+        "pinned": pinned,
+        "max_pinned": max(pinned),
         "spilled": sum(last[n] - first[n] for n in last),
     }
 
@@ -86,34 +102,33 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (os.path.abspath(TESTS), os.environ.get("PYTHONPATH")) if p
     )
-    with MultiNodeCluster(nodes=3, cpus=2, store_bytes=STORE) as c:
-        nodes = {n.node_id: n.name for n in c.nodes}
-        info = _common.print_header(
-            "storage-aware placement",
-            {
-                "cluster": "head (0 CPUs) + 3 nodes x 2 CPUs, 100 MiB object store each",
-                "graphs": ", ".join(
-                    f"{k}: {v['n']} chains (in turn) x {v['length']} steps x {v['nbytes'] / MB:g} MiB"
-                    for k, v in GRAPHS.items()
-                ),
-                "placement": dict(raydag.config.get("placement")),
-            },
-        )
-        dask.compute(*workloads.chains(1, 10, MB), scheduler=raydag.ray_get)  # warm workers
-        results = []
-        for r in range(args.repeat):
-            for graph in GRAPHS:
-                for contender in CONTENDERS:
-                    res = one(graph, contender, nodes)
-                    results.append(res)
-                    print(
-                        f"  [{r + 1}/{args.repeat}] {graph:8} {contender:22} "
-                        f"{res['wall_s']:6.2f} s  peaks "
-                        + "/".join(f"{p / MB:.0f}" for p in res["peaks"])
-                        + f" MiB  spilled {res['spilled'] / MB:.0f} MiB",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+    info = _common.print_header(
+        "storage-aware placement",
+        {
+            "cluster": "head (0 CPUs) + 3 nodes x 2 CPUs, 100 MiB object store each",
+            "graphs": ", ".join(
+                f"{k}: {v['n']} chains (in turn) x {v['length']} steps x {v['nbytes'] / MB:g} MiB"
+                for k, v in GRAPHS.items()
+            ),
+            "placement": dict(raydag.config.get("placement")),
+        },
+    )
+    results = []
+    for r in range(args.repeat):
+        for graph in GRAPHS:
+            for contender in CONTENDERS:
+                res = one(graph, contender)
+                results.append(res)
+                print(
+                    f"  [{r + 1}/{args.repeat}] {graph:8} {contender:22} "
+                    f"{res['wall_s']:6.2f} s  peaks "
+                    + "/".join(f"{p / MB:.0f}" for p in res["peaks"])
+                    + " MiB (pinned "
+                    + "/".join(f"{p / MB:.0f}" for p in res["pinned"])
+                    + f")  spilled {res['spilled'] / MB:.0f} MiB",
+                    file=sys.stderr,
+                    flush=True,
+                )
     rows = []
     med: dict = {}
     for graph in GRAPHS:
@@ -121,7 +136,7 @@ def main() -> None:
             rs = [x for x in results if x["graph"] == graph and x["contender"] == contender]
             m = {
                 k: statistics.median(x[k] for x in rs)
-                for k in ("wall_s", "max_peak", "max_over_mean", "spilled")
+                for k in ("wall_s", "max_peak", "max_over_mean", "max_pinned", "spilled")
             }
             med[graph, contender] = m
         base = med[graph, "raydag"]
@@ -135,6 +150,7 @@ def main() -> None:
                     m["wall_s"] / base["wall_s"],
                     m["max_peak"] / MB,
                     m["max_over_mean"],
+                    m["max_pinned"] / MB,
                     m["spilled"] / MB,
                 ]
             )
@@ -148,6 +164,7 @@ def main() -> None:
                 "x raydag",
                 "max peak MiB",
                 "max/mean peak",
+                "max pinned MiB",
                 "spilled MiB",
             ],
             rows,

@@ -414,8 +414,12 @@ class Runner:
         if self.sampler is not None and self.sampler.rounds != self._round:
             self._round = self.sampler.rounds
             stats = self.sampler.latest
-            # nodes that can run tasks: a head without CPUs holds values, runs nothing
-            stores = {n: (s.used_bytes, s.capacity_bytes) for n, s in stats.items() if alive.get(n)}
+            # Pinned (primary) copies only: Ray evicts cached copies of others' values as
+            # it needs room, and spills primaries past its threshold. Nodes that can run
+            # tasks only: a head without CPUs holds values but runs nothing.
+            stores = {
+                n: (s.primary_bytes, s.capacity_bytes) for n, s in stats.items() if alive.get(n)
+            }
             idle = idle_cpus(alive)
             self._step(StoresSampled(stores, idle), quiet=True)
         if self.speculation:

@@ -199,6 +199,9 @@ class Tick:
 class StoresSampled:
     """Every alive node's object store (``(used, capacity)`` bytes) and free CPUs, now.
 
+    ``used`` counts what the store must keep (pinned copies), not cached copies of
+    values held elsewhere, which Ray evicts when it needs the room.
+
     Placement is decided from the latest sample: a few a second, from the raylets.
     """
 

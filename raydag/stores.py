@@ -187,6 +187,7 @@ class Sample:
     capacity_bytes: int
     spilled_bytes: int
     num_objects: int
+    primary_bytes: int = 0  # pinned copies: what the store cannot evict
 
 
 class StoreSampler:
@@ -276,7 +277,13 @@ class StoreSampler:
                 if self.keep:
                     self.samples.append(
                         Sample(
-                            t, node, s.used_bytes, s.capacity_bytes, s.spilled_bytes, s.num_objects
+                            t,
+                            node,
+                            s.used_bytes,
+                            s.capacity_bytes,
+                            s.spilled_bytes,
+                            s.num_objects,
+                            s.primary_bytes,
                         )
                     )
                 total += s.used_bytes
