@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import pickle
 import warnings
 from typing import Any
 
@@ -118,7 +119,19 @@ def _register_pandas() -> None:
 
     @own.register((pd.DataFrame, pd.Series, pd.Index))
     def _own_pandas(x: Any) -> Any:
-        return x.copy(deep=True)
+        x = x.copy(deep=True)
+        # Arrow-backed columns (pyarrow strings) are immutable: copy() shares their
+        # buffers, which point into the object store. Pickling copies them.
+        return pickle.loads(pickle.dumps(x)) if _arrow_backed(x) else x
+
+    def _arrow_backed(x: Any) -> bool:
+        index = x if isinstance(x, pd.Index) else x.index
+        dtypes = list(x.dtypes) if isinstance(x, pd.DataFrame) else [x.dtype]
+        dtypes += list(index.dtypes) if isinstance(index, pd.MultiIndex) else [index.dtype]
+        return any(
+            isinstance(d, pd.ArrowDtype) or str(getattr(d, "storage", "")).startswith("pyarrow")
+            for d in dtypes
+        )
 
 
 get = ray_get
