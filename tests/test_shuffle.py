@@ -233,7 +233,7 @@ def test_divisions_pass_of_set_index_runs_on_ray(monkeypatch):
 
 
 def test_two_shuffles_in_one_compute_and_the_same_shuffle_twice(assert_store_empty):
-    left, right = frame(4000, 3), frame(3000, 4)
+    left, right = frame(1500, 3), frame(1000, 4)
     a = dd.from_pandas(left, npartitions=5)
     b = dd.from_pandas(right, npartitions=4)
     merged = a.merge(b, on="s", how="inner")
