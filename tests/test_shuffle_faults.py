@@ -26,7 +26,6 @@ import psutil
 import pytest
 from chaos import (
     Background,
-    Clusters,
     add_node,
     assert_stores_empty,
     ensure_nodes,
@@ -187,15 +186,6 @@ def node_files(c) -> dict:
 
 
 # ---- fixtures -------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def clusters():
-    cs = Clusters()
-    try:
-        yield cs
-    finally:
-        cs.close()
 
 
 @pytest.fixture
