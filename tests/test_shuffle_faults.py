@@ -343,6 +343,36 @@ def test_user_exception_surfaces_unchanged_on_the_cluster(cluster, log):
     assert_stores_empty()
 
 
+def rename_x(df: pd.DataFrame) -> pd.DataFrame:
+    return df.rename(columns={"x": "w"})
+
+
+def test_two_shuffles_in_one_compute_twice_and_incompatible_partitions(cluster, log):
+    """A merge (a shuffle of each side) computed twice on the nodes: right both times,
+    nothing left; partitions with other columns than their metadata: a clear error."""
+    n = 6
+    left = source(n, log)
+    right = source(4, None, rows=ROWS // 4).rename(columns={"id": "rid", "x": "rx"})
+    right = right[["k", "rid", "rx"]]
+    merged = left.merge(right, on="k")
+    names = {k[0] for k in merged.__dask_graph__() if isinstance(k, tuple)}
+    assert len({x for x in names if x.startswith(MAP)}) == 2
+    r = pd.concat([make_part(i, ROWS // 4, 0.0, None) for i in range(4)], ignore_index=True)
+    r = r.rename(columns={"id": "rid", "x": "rx"})[["k", "rid", "rx"]]
+    want = expected(n).merge(r, on="k").sort_values(["id", "rid"]).reset_index(drop=True)
+    for _ in range(2):
+        got = merged.compute(scheduler=raydag.ray_get)
+        got = got.sort_values(["id", "rid"]).reset_index(drop=True)
+        pd.testing.assert_frame_equal(got[list(want.columns)], want)
+        del got
+        assert_stores_empty()
+    bad = left.map_partitions(rename_x, meta=left._meta, enforce_metadata=False).shuffle("k")
+    with pytest.raises(raydag.shuffle.IncompatiblePartitionError, match=r"missing \['x'\]"):
+        bad.compute(scheduler=raydag.ray_get)
+    assert raydag.last_run().summary()["retries"] == 0
+    assert_stores_empty()
+
+
 def explode(df: pd.DataFrame) -> pd.DataFrame:
     if (df["k"] == 7).any():
         raise ZeroDivisionError("partition with key 7")
