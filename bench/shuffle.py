@@ -19,6 +19,9 @@ Contenders (each builds its collections under its own settings):
 | ``threads``          | dask threads       | dask's default without a Client: ``disk``   |
 | ``distributed p2p``  | LocalCluster       | ``p2p`` (2 worker processes x 1 thread)     |
 
+With ``--in-flight 2`` (the default), both raydag contenders also run with two Ray
+tasks in flight per CPU instead of raydag's default one.
+
 Columns: wall seconds (median of ``--repeats``), tasks in the graph handed to the
 scheduler (and Ray tasks submitted, for raydag), peak memory: the object stores'
 total for the Ray contenders (sampled every 100 ms), the growth of the driver's and
@@ -94,14 +97,23 @@ def workloads(rows: int, parts: int) -> dict[str, Callable[[], dd.DataFrame]]:
 
 
 @contextlib.contextmanager
-def raydag_shuffle() -> Iterator[dict]:
-    with raydag.shuffle.enable():
+def raydag_shuffle(in_flight: float = 1.0) -> Iterator[dict]:
+    with (
+        raydag.shuffle.enable(),
+        dask.config.set({"raydag.scheduling.in-flight-per-cpu": in_flight}),
+    ):
         yield {"scheduler": raydag.ray_get}
 
 
 @contextlib.contextmanager
-def raydag_tasks() -> Iterator[dict]:
-    with dask.config.set({"dataframe.shuffle.method": "tasks", "scheduler": raydag.ray_get}):
+def raydag_tasks(in_flight: float = 1.0) -> Iterator[dict]:
+    with dask.config.set(
+        {
+            "dataframe.shuffle.method": "tasks",
+            "scheduler": raydag.ray_get,
+            "raydag.scheduling.in-flight-per-cpu": in_flight,
+        }
+    ):
         yield {"scheduler": raydag.ray_get}
 
 
@@ -192,6 +204,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--workers", type=int, default=2, help="distributed worker processes")
     p.add_argument("--only", nargs="*", default=None, help="contenders to run")
+    p.add_argument(
+        "--in-flight",
+        nargs="*",
+        type=float,
+        default=[2.0],
+        help="also run both raydag contenders with these raydag.scheduling.in-flight-per-cpu",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -210,6 +229,9 @@ def main() -> None:
         "threads": (threads, False),
         "distributed p2p": (lambda: p2p(args.workers), False),
     }
+    for f in args.in_flight:  # raydag's Ray tasks in flight per CPU (default 1)
+        contenders[f"raydag, {f:g} per CPU"] = (functools.partial(raydag_shuffle, f), True)
+        contenders[f"raydag tasks, {f:g} per CPU"] = (functools.partial(raydag_tasks, f), True)
     if args.only:
         contenders = {k: v for k, v in contenders.items() if k in args.only}
     small = workloads(args.rows // 20, args.partitions)
