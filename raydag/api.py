@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import pickle
 import warnings
 from typing import Any
 
@@ -118,7 +119,31 @@ def _register_pandas() -> None:
 
     @own.register((pd.DataFrame, pd.Series, pd.Index))
     def _own_pandas(x: Any) -> Any:
-        return x.copy(deep=True)
+        # What pandas takes for immutable, copy() shares, and it may point into the
+        # object store: indexes (pandas 3's string column labels are arrow-backed) and
+        # arrow-backed columns. Those are copied again, arrow buffers by pickling.
+        if isinstance(x, pd.Index):
+            return _own_index(x)
+        x = x.copy(deep=True)
+        if isinstance(x, pd.DataFrame):
+            if any(_arrow(d) for d in x.dtypes):
+                x = pickle.loads(pickle.dumps(x))
+            x.columns = _own_index(x.columns)
+        elif _arrow(x.dtype):
+            x = pickle.loads(pickle.dumps(x))
+        x.index = _own_index(x.index)
+        return x
+
+    def _own_index(index: pd.Index) -> pd.Index:
+        dtypes = index.dtypes if isinstance(index, pd.MultiIndex) else [index.dtype]
+        if any(_arrow(d) for d in dtypes):
+            return pickle.loads(pickle.dumps(index))
+        return index.copy(deep=True)
+
+    def _arrow(dtype: Any) -> bool:
+        return isinstance(dtype, pd.ArrowDtype) or str(getattr(dtype, "storage", "")).startswith(
+            "pyarrow"
+        )
 
 
 get = ray_get

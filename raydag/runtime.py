@@ -26,7 +26,7 @@ from dask._task_spec import TaskRef
 from dask.callbacks import local_callbacks, unpack_callbacks
 from dask.sizeof import sizeof
 
-from raydag import config, progress, record
+from raydag import config, progress, record, shuffle
 from raydag.graph import Graph
 from raydag.state import (
     Aborted,
@@ -111,13 +111,29 @@ class Outcome:
     started: float = 0.0
     error: bytes | None = None
     error_key: Any = None
+    sizes: list[int] | None = None  # of each kept value, when a group keeps several
 
 
-def run_group(nodes: list, input_keys: tuple, notify: Any, *inputs: Any) -> tuple[Any, Outcome]:
-    """Run fused dask tasks in order; return the last one's value and an Outcome.
+def run_group(
+    nodes: list, input_keys: tuple, notify: Any, *inputs: Any, returns: tuple = ()
+) -> tuple[Any, ...]:
+    """Run fused dask tasks in order; return the kept values, then an Outcome.
 
+    ``returns``: the keys whose values to keep, each its own Ray object (a shuffle's
+    pieces: the Ray task has ``len(returns) + 1`` returns); empty: the last key's.
     ``notify``: ``(inbox, run, tag)`` to say where and when it started (see ``_Inbox``).
     """
+    values, outcome = _run_nodes(nodes, input_keys, notify, inputs)
+    kept = returns or (nodes[-1].key,)
+    if outcome.error is not None:
+        return (*[None] * len(kept), outcome)
+    results = [values[k] for k in kept]
+    outcome.sizes = [sizeof(r) for r in results]
+    outcome.nbytes = sum(outcome.sizes)
+    return (*results, outcome)
+
+
+def _run_nodes(nodes: list, input_keys: tuple, notify: Any, inputs: tuple) -> tuple[dict, Outcome]:
     started = time.time()
     if notify is not None:
         inbox, run, tag = notify
@@ -131,10 +147,9 @@ def run_group(nodes: list, input_keys: tuple, notify: Any, *inputs: Any) -> tupl
             values[node.key] = node(values)
             durations.append(time.perf_counter() - t0)
     except Exception as e:  # a user's error: ship it back whole, do not let Ray retry
-        return None, Outcome(durations, error=pack_exception(e), error_key=node.key)
-    result = values[nodes[-1].key]
+        return values, Outcome(durations, error=pack_exception(e), error_key=node.key)
     ctx = ray.get_runtime_context()
-    return result, Outcome(durations, sizeof(result), ctx.get_node_id(), os.getpid(), started)
+    return values, Outcome(durations, 0, ctx.get_node_id(), os.getpid(), started)
 
 
 # raydag retries and recovers tasks itself, from its own lineage (see the README):
@@ -515,7 +530,7 @@ class Runner:
 
     def _events(self, meta_ref: ray.ObjectRef) -> list:
         """What one finished Ray task means, as state machine events."""
-        sub, value_ref = self.pending.pop(meta_ref)
+        sub, value_refs = self.pending.pop(meta_ref)
         del self.by_group[sub.group]
         try:
             outcome: Outcome = ray.get(meta_ref)
@@ -555,12 +570,14 @@ class Runner:
             return [TaskErred(sub.group, sub.root, cause)]
         if outcome.error is not None:
             return [TaskErred(sub.group, outcome.error_key, unpack_exception(outcome.error))]
-        self.values[sub.root] = value_ref
-        self.node_of[sub.root] = outcome.node
-        self.nbytes[sub.root] = outcome.nbytes
+        sizes = outcome.sizes or [outcome.nbytes]
+        for k, ref, size in zip(sub.kept, value_refs, sizes, strict=True):
+            self.values[k] = ref
+            self.node_of[k] = outcome.node
+            self.nbytes[k] = size
         given = self.graph.external.get(sub.root)
         if isinstance(given, Persisted):  # recomputed after a loss: heal the collection
-            given.ref, given.node = value_ref, outcome.node
+            given.ref, given.node = value_refs[-1], outcome.node
         if self.dask_state is not None:
             self._posttask(sub, outcome)
         durations = dict(zip(sub.keys, outcome.durations, strict=True))
@@ -600,8 +617,8 @@ class Runner:
             elif isinstance(ins, Cancel):
                 meta_ref = self.by_group.pop(ins.group, None)
                 if meta_ref is not None:
-                    _, value_ref = self.pending.pop(meta_ref)
-                    ray.cancel(value_ref, force=self.force_cancel)
+                    _, value_refs = self.pending.pop(meta_ref)
+                    ray.cancel(value_refs[0], force=self.force_cancel)
             elif isinstance(ins, Fail):
                 self.failure = ins
             elif isinstance(ins, Won):
@@ -625,10 +642,14 @@ class Runner:
                 )
 
     def _submit(self, sub: Submit) -> None:
-        spec = tuple(sorted(sub.resources.items())) if sub.resources else None
+        spec: Any = tuple(sorted(sub.resources.items())) if sub.resources else None
+        if sub.returns:  # a shuffle's map: one Ray object per piece, and the Outcome
+            spec = (spec, len(sub.returns))
         fn = self._options.get((spec, sub.node, sub.soft))
         if fn is None:
             opts = _ray_options(sub.resources)
+            if sub.returns:
+                opts["num_returns"] = len(sub.returns) + 1
             if self.ray_first:
                 opts["max_retries"] = self.ray_retries
             if sub.node is not None:
@@ -649,8 +670,9 @@ class Runner:
             notify = (self._inbox, self.run_id, (sub.group, serial))
         nodes = [self.graph.tasks[k] for k in sub.keys]
         refs = [self._ref(k) for k in sub.inputs]
-        value_ref, meta_ref = fn.remote(nodes, sub.inputs, notify, *refs)
-        self.pending[meta_ref] = (sub, value_ref)
+        kw = {"returns": sub.returns} if sub.returns else {}
+        *value_refs, meta_ref = fn.remote(nodes, sub.inputs, notify, *refs, **kw)
+        self.pending[meta_ref] = (sub, tuple(value_refs))
         self.by_group[sub.group] = meta_ref
         if self.dask_state is not None and sub.duplicate_of is None:
             s = self.dask_state
@@ -743,6 +765,7 @@ def run(
     nodes = alive_nodes()
     state = State.from_graph(
         graph,
+        bundles=shuffle.bundles(graph.tasks, graph.dependents),
         capacity=slots(nodes),
         default_retries=int(config.get("retries")),
         fusion=fusion_settings(),

@@ -10,7 +10,9 @@ rather than a new loop.
 A key moves ``waiting -> ready -> processing -> memory -> released``. A key is
 released once every dependent has finished and it is not an output; a key fused into
 a group as a non-root member goes from ``processing`` straight to ``released``: its
-value only ever lived inside the Ray task that made and consumed it.
+value only ever lived inside the Ray task that made and consumed it. A *bundle* (a
+shuffle's map and its pieces, see ``State._init_bundles``) is the one group that keeps
+several values: each piece is its own Ray object, held, released and lost on its own.
 
 A group in flight runs as one or more *copies* (Ray tasks): its first, and the
 speculative duplicates ``Tick`` may add on other nodes when CPUs are idle. The first
@@ -63,10 +65,18 @@ class Submit:
     # gone or busy, Ray runs the task elsewhere. ``placed``: why it was chosen.
     soft: bool = False
     placed: str = ""
+    # Several values kept (a shuffle's map, ``returns`` its pieces): one Ray object
+    # each. Empty: the root's value alone.
+    returns: tuple = ()
 
     @property
     def root(self) -> Key:
         return self.keys[-1]
+
+    @property
+    def kept(self) -> tuple:
+        """The keys whose values leave the Ray task, in order."""
+        return self.returns or (self.keys[-1],)
 
 
 @dataclass(frozen=True)
@@ -243,6 +253,11 @@ class Group:
     # when a copy died with its node while a duplicate ran on (for ``Won.saved``)
     spared_at: float | None = None
     duplicated: int = 0  # duplicates started, ever: capped by Speculation.max_copies
+    returns: tuple = ()  # a bundle's kept pieces (see ``State.bundles``); () for the root
+
+    @property
+    def kept(self) -> tuple:
+        return self.returns or (self.keys[-1],)
 
 
 @dataclass(frozen=True)
@@ -351,6 +366,7 @@ class State:
         speculation: Speculation = Speculation(),
         seed_runtimes: Mapping[str, Iterable[float]] | None = None,
         placement: Placement = Placement(),
+        bundles: Mapping[Key, Iterable[Key]] | None = None,
     ):
         self.dependencies = {k: frozenset(v) for k, v in dependencies.items()}
         self.dependents: dict[Key, set] = {k: set() for k in self.dependencies}
@@ -407,6 +423,7 @@ class State:
         # ready keys that read no intermediate (sources): under store pressure they
         # wait behind ready keys that do (consumers), which free what they read
         self.ready_sources: list[tuple[int, int, int, Key]] = []
+        self._init_bundles(bundles or {})
         self.now = 0.0  # the latest Tick's wall clock
         self._next_group = 0
         self._seq = 0
@@ -540,7 +557,7 @@ class State:
         for c in group.copies:
             self.copy_of.pop(c, None)
         self.used -= group.cost * len(group.copies)
-        root = group.keys[-1]
+        kept = group.kept
         learn = self.speculation.enabled
         for m in group.keys:
             del self.group_of[m]
@@ -560,22 +577,26 @@ class State:
                 self.waiters[dep] -= 1
                 if self.waiters[dep] == 0 and dep not in self.outputs:
                     self._release(dep, out)
-            if m != root:
+            if m not in kept:
                 self.waiters[m] = 0
                 self.state[m] = RELEASED
             self.recovering.discard(m)
-        self.state[root] = MEMORY
-        self.where[root] = ev.node
-        self.nbytes[root] = ev.nbytes
-        size = self.sizes.setdefault(self.category(root), [0, 0])
+        share = ev.nbytes // len(kept)  # a bundle's pieces: about alike
+        size = self.sizes.setdefault(self.category(kept[-1]), [0, 0])
         size[0] += 1
-        size[1] += ev.nbytes
-        for d in self.dependents[root]:
-            if self.state[d] != WAITING:  # given, or released lineage of a given value
-                continue
-            self.missing[d] -= 1
-            if self.missing[d] == 0:
-                self._make_ready(d)
+        size[1] += share
+        for root in kept:
+            self.state[root] = MEMORY
+            self.where[root] = ev.node
+            self.nbytes[root] = share
+            for d in self.dependents[root]:
+                if self.state[d] != WAITING:  # given, or released lineage of a given value
+                    continue
+                self.missing[d] -= 1
+                if self.missing[d] == 0:
+                    self._make_ready(d)
+            if self.waiters[root] == 0 and root not in self.outputs:  # a piece nobody reads
+                self._release(root, out)
 
     def _won(self, group: Group, ev: TaskFinished, losers: tuple) -> Won:
         win = group.copies[ev.group]
@@ -651,15 +672,7 @@ class State:
         reset: list = []
         for gid, g in list(self.groups.items()):
             if lost_set.intersection(g.inputs):
-                for c in g.copies:
-                    out.append(Cancel(c))
-                    self.copy_of.pop(c, None)
-                del self.groups[gid]
-                self.used -= g.cost * len(g.copies)
-                for m in g.keys:
-                    del self.group_of[m]
-                    self.state[m] = WAITING
-                reset.extend(g.keys)
+                reset.extend(self._reset_group(gid, out))
         recompute: list = []
         seen: set = set()
         stack = list(lost)
@@ -678,6 +691,8 @@ class State:
             self.state[k] = WAITING
             self.where.pop(k, None)
             self.nbytes.pop(k, None)
+        if self.bundles:
+            reset.extend(self._rebundle(recompute, out))
         self.recovering.update(recompute)
         self.wave += 1
         out.append(Recover(self.wave, tuple(lost), tuple(recompute), ev.reason))
@@ -697,6 +712,18 @@ class State:
             self.waiters[k] = sum(
                 self.state[d] not in (MEMORY, RELEASED) for d in self.dependents[k]
             )
+
+    def _reset_group(self, gid: int, out: list[Instruction]) -> tuple:
+        """Cancel an in-flight group: its keys wait again. Returns them."""
+        g = self.groups.pop(gid)
+        for c in g.copies:
+            out.append(Cancel(c))
+            self.copy_of.pop(c, None)
+        self.used -= g.cost * len(g.copies)
+        for m in g.keys:
+            del self.group_of[m]
+            self.state[m] = WAITING
+        return g.keys
 
     def _stop(self, out: list[Instruction]) -> None:
         for g in self.groups.values():
@@ -724,7 +751,8 @@ class State:
                 return
             heapq.heappop(heap)
             keys = self._fuse(key)
-            if len(keys) > 1:
+            returns = self._bundle_returns(keys)
+            if len(keys) > 1 and not returns:
                 fused = self._cost(key, sum(self.estimate(k) or 0.0 for k in keys))
                 # A group takes at most what is left: fusing must not wait for a
                 # whole free slot, nor push the work in flight past capacity.
@@ -733,7 +761,7 @@ class State:
             inputs = tuple(
                 {d: None for m in keys for d in self.dependencies[m] if d not in members}
             )
-            group = Group(self._next_group, keys, members, inputs, cost)
+            group = Group(self._next_group, keys, members, inputs, cost, returns=returns)
             self._next_group += 1
             self.groups[group.id] = group
             self.used += cost
@@ -776,6 +804,7 @@ class State:
             node=node,
             soft=node is not None,
             placed=why,
+            returns=group.returns,
         )
 
     # ---- placement --------------------------------------------------------------
@@ -922,6 +951,7 @@ class State:
                     notify=True,
                     duplicate_of=gid,
                     node=node,
+                    returns=g.returns,
                 )
             )
 
@@ -960,8 +990,10 @@ class State:
         reduction tree over fresh inputs). Every member but the last has its one
         consumer inside the group, so its value never leaves the Ray task.
         """
+        if key in self.bundles:
+            return self._bundle(key)
         f = self.fusion
-        if not f.enabled or not self._cheap(key):
+        if not f.enabled or not self._cheap(key) or key in self.piece_of:
             return (key,)
         keys = [key]
         members = {key}
@@ -973,6 +1005,8 @@ class State:
             cur not in self.outputs and cur not in self.available and len(self.dependents[cur]) == 1
         ):
             (nxt,) = self.dependents[cur]
+            if nxt in self.bundles or nxt in self.piece_of:  # a bundle runs as its own group
+                break
             if self.state[nxt] != WAITING or not self._cheap(nxt) or not self._same_kind(key, nxt):
                 break
             budget = f.max_group_size - len(keys) - 1
@@ -1005,6 +1039,8 @@ class State:
         """
         if (
             budget <= 0
+            or key in self.bundles
+            or key in self.piece_of
             or key in self.outputs
             or key in self.available
             or len(self.dependents[key]) != 1
@@ -1025,6 +1061,64 @@ class State:
                 return None
             keys.extend(sub)
         return keys + [key]
+
+    # ---- bundles: a shuffle's map and its pieces, one Ray task, one object per piece --
+
+    def _init_bundles(self, bundles: Mapping[Key, Iterable[Key]]) -> None:
+        """Keep the bundles this graph can run as such: ``map -> pieces``.
+
+        A bundle is a map key whose dependents are exactly its pieces, each piece
+        reading only the map: the map runs once with the pieces still waiting, and each
+        of those pieces becomes its own value (released, lost and recomputed on its
+        own). The map's value never leaves the Ray task, so it must be no output and no
+        given value. Anything else named a bundle runs as ordinary tasks.
+        """
+        self.bundles: dict[Key, tuple] = {}
+        self.piece_of: dict[Key, Key] = {}
+        for m, pieces in bundles.items():
+            pieces = tuple(pieces)
+            if (
+                m not in self.dependencies
+                or m in self.outputs
+                or m in self.available
+                or not pieces
+                or set(pieces) != self.dependents[m]
+                or any(self.dependencies[p] != {m} or p in self.available for p in pieces)
+            ):
+                continue
+            self.bundles[m] = pieces
+            self.piece_of.update(dict.fromkeys(pieces, m))
+
+    def _bundle(self, key: Key) -> tuple:
+        """The map and those of its pieces still to be made (after a loss: the lost ones)."""
+        return (key, *(p for p in self.bundles[key] if self.state[p] == WAITING))
+
+    def _bundle_returns(self, keys: tuple) -> tuple:
+        return keys[1:] if keys[0] in self.bundles else ()
+
+    def _rebundle(self, recompute: list, out: list[Instruction]) -> list:
+        """A bundle in flight lacks a piece that must be made again: it cannot make it
+        (the map's value never leaves its task), so it is cancelled and runs again
+        with every piece then waiting."""
+        maps = {self.piece_of[k] for k in recompute if k in self.piece_of}
+        reset: list = []
+        for m in maps:
+            gid = self.group_of.get(m)
+            if gid is not None and self.state[m] == PROCESSING:
+                reset.extend(self._reset_group(gid, out))
+        return reset
+
+    def _validate_bundles(self) -> None:
+        for m, pieces in self.bundles.items():
+            assert self.state[m] != MEMORY, ("a bundle's map value left its task", m)
+            assert all(self.piece_of[p] == m for p in pieces)
+        for g in self.groups.values():
+            if g.keys[0] in self.bundles:
+                assert g.returns == g.keys[1:], g
+                assert set(g.returns) <= set(self.bundles[g.keys[0]]), g
+            else:
+                assert not g.returns, g
+                assert not any(k in self.piece_of or k in self.bundles for k in g.keys), g
 
     # ---- checks -----------------------------------------------------------------
 
@@ -1082,3 +1176,5 @@ class State:
                     assert copy.node is not None, (c, g)
         assert dups == self.copy_of, (dups, self.copy_of)
         assert len(self.copy_of) <= max(self.speculation.max_in_flight, 0)
+        if not stopped:
+            self._validate_bundles()

@@ -375,8 +375,10 @@ class Clusters:
         self.config: dict | None = None
         self.old_path: str | None = None
 
-    def get(self, system_config: dict | None = None) -> MultiNodeCluster:
-        if self.current is not None and self.config == system_config:
+    def get(self, system_config: dict | None = None, **sizes: Any) -> MultiNodeCluster:
+        """``sizes``: MultiNodeCluster's (nodes, cpus, store_bytes, head_store_bytes)."""
+        wanted = (system_config, sizes) if sizes else system_config
+        if self.current is not None and self.config == wanted:
             return self.current
         self.close()
         # Ray workers inherit their raylet's environment, raylets the driver's when they
@@ -384,7 +386,7 @@ class Clusters:
         self.old_path = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, self.old_path) if p)
         for attempt in (1, 2):  # on a loaded machine the head may miss Ray's 30 s deadline
-            c = MultiNodeCluster(system_config=system_config, **self.cluster)
+            c = MultiNodeCluster(system_config=system_config, **{**self.cluster, **sizes})
             try:
                 self.current = c.__enter__()
                 break
@@ -392,7 +394,7 @@ class Clusters:
                 _kill_leftovers(c.root)
                 if attempt == 2:
                     raise
-        self.config = system_config
+        self.config = wanted
         return self.current
 
     def close(self) -> None:

@@ -51,6 +51,18 @@ def ray_cluster(_local_ray_session):
         _start_local_ray()
 
 
+@pytest.fixture(scope="module")
+def clusters():
+    """The chaos kit's multi-node cluster, one at a time for the module (tests/chaos.py)."""
+    from chaos import Clusters
+
+    cs = Clusters()
+    try:
+        yield cs
+    finally:
+        cs.close()
+
+
 def pytest_collection_modifyitems(config, items):
     """Multi-node tests last: each replaces the shared local Ray with its own cluster."""
     items.sort(key=lambda item: item.get_closest_marker("cluster") is not None)

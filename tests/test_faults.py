@@ -36,7 +36,6 @@ import numpy as np
 import pytest
 from chaos import (
     Background,
-    Clusters,
     Death,
     Expected,
     MiB,
@@ -181,15 +180,6 @@ def check_recovery(
 
 
 # ---- the cluster and the chaos ----------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def clusters():
-    cs = Clusters()
-    try:
-        yield cs
-    finally:
-        cs.close()
 
 
 @pytest.fixture(scope="module")

@@ -94,6 +94,7 @@ class Scenario:
     fixed: set = dataclasses.field(default_factory=set)  # given, with no lineage here
     speculation: Speculation = Speculation()
     placement: Placement = Placement()
+    bundles: dict = dataclasses.field(default_factory=dict)  # shuffle map -> its pieces
 
     def state(self) -> State:
         return State(
@@ -111,6 +112,7 @@ class Scenario:
             fixed=self.fixed,
             speculation=self.speculation,
             placement=self.placement,
+            bundles=self.bundles,
         )
 
 
@@ -250,13 +252,14 @@ class Driver:
         self.waves = 0
         self.restored: set = set()
         self.lineage_run: set = set()
+        self.piece_of = {p: m for m, ps in sc.bundles.items() for p in ps}
 
     # -- events ---------------------------------------------------------------
 
     def start(self) -> list:
         out = self.state.start()
         self._apply(out)
-        assert all(len(s.keys) == 1 for s in out if isinstance(s, Submit)), (
+        assert all(len(s.keys) == 1 or s.returns for s in out if isinstance(s, Submit)), (
             "fused before any duration was known"
         )
         return out
@@ -264,8 +267,8 @@ class Driver:
     def finish(self, gid: int) -> list:
         sub = self.inflight.pop(gid)
         self.finished.update(sub.keys)
-        self.memory.add(sub.root)
-        self.roots.add(sub.root)
+        self.memory.update(sub.kept)
+        self.roots.update(sub.kept)
         self.recovering.difference_update(sub.keys)
         if sub.root in self.sc.available:  # recomputed: the Ray layer heals its owner
             self.given.add(sub.root)
@@ -274,7 +277,7 @@ class Driver:
         durations = {k: self.sc.durations[self.sc.categories[k]] for k in sub.keys}
         node = f"node{gid % 3}"
         out = self.state.handle(TaskFinished(gid, durations, nbytes=8, node=node))
-        assert self.state.where[sub.root] == node
+        assert all(self.state.where[k] == node for k in sub.kept)
         self._apply(out)
         return out
 
@@ -351,7 +354,13 @@ class Driver:
                         restored.add(d)
                 elif d in gone:
                     stack.append(d)
-        doomed = {g for g, sub in self.inflight.items() if lost_set & set(sub.inputs)}
+        # and a shuffle's map running for other pieces runs again with these too
+        remap = {self.piece_of[k] for k in expected if k in self.piece_of}
+        doomed = {
+            g
+            for g, sub in self.inflight.items()
+            if lost_set & set(sub.inputs) or (sub.returns and sub.keys[0] in remap)
+        }
 
         out = self.state.handle(ResultsLost(keys, reason))
         if not lost:
@@ -527,8 +536,9 @@ class Driver:
         used = self._used()
         head = self._cost(keys[:1])
         assert used == 0 or used + head <= self.capacity, (sub, used, head, self.capacity)
-        cost = self._cost(keys)
-        if used and len(keys) > 1:
+        bundle = sc.bundles.get(keys[0])
+        cost = self._cost(keys[:1] if bundle else keys)
+        if used and len(keys) > 1 and not bundle:
             cost = min(cost, self.capacity - used)
         assert used == 0 or used + cost <= self.capacity, (sub, used, cost, self.capacity)
         self.inflight[sub.group] = sub
@@ -537,11 +547,20 @@ class Driver:
         assert sub.priority == sc.priorities[sub.root]
         assert sub.resources == sc.resources.get(sub.root)
 
+        # a shuffle's bundle: its map and every piece not made yet, each piece kept
+        if bundle:
+            waiting = [p for p in bundle if p not in self.finished]
+            assert keys == (keys[0], *waiting), ("bundle", sub, waiting)
+            assert sub.kept == tuple(waiting), sub
+            assert self.dependents[keys[0]] - members <= self.finished, sub
+        else:
+            assert sub.kept == (sub.root,), sub
+            assert not any(k in self.piece_of for k in keys), ("piece outside its bundle", sub)
         # shape of a group: topological, each non-root read only inside, inputs held
         for i, k in enumerate(keys):
             inside = self.deps[k] & members
             assert all(keys.index(d) < i for d in inside), ("not topological", sub)
-            if k != sub.root:
+            if k != sub.root and not bundle:
                 assert k not in sc.outputs, ("output fused away", k, sub)
                 assert k not in sc.available, ("given value fused away: owner not healed", sub)
                 assert len(self.dependents[k]) == 1, ("shared value fused away", k, sub)
@@ -551,7 +570,7 @@ class Driver:
         assert set(sub.inputs) == outside, (sub, outside)
         assert outside <= self.memory, ("input not held", outside - self.memory)
 
-        if len(keys) > 1:  # fusion only as configured, only of known-cheap, like tasks
+        if len(keys) > 1 and not bundle:  # fusion only as configured, of known-cheap, like tasks
             f = sc.fusion
             assert f.enabled, sub
             assert len(keys) <= f.max_group_size, (len(keys), f.max_group_size, sub)
@@ -657,7 +676,11 @@ def test_random_capacity_changes(sc, data):
 @given(data=st.data())
 def test_random_failures_and_aborts(fusion, data):
     """Errors retry as annotated then fail; failure and abort stop and free everything."""
-    d = Driver(data.draw(scenarios(fusion=fusion)))
+    fail_at_random(Driver(data.draw(scenarios(fusion=fusion))), data)
+
+
+def fail_at_random(d: Driver, data: st.DataObject) -> None:
+    """Run ``d`` to its end or its failure, with errors and aborts at random points."""
     d.start()
     while d.inflight:
         gid = data.draw(st.sampled_from(sorted(d.inflight)))
@@ -687,7 +710,11 @@ def test_random_lost_results(fusion, data):
     losing a given value fails the compute if it has no lineage here (``fixed``), else
     reruns it; a dead node never uses up retries.
     """
-    d = Driver(data.draw(scenarios(fusion=fusion)))
+    lose_at_random(Driver(data.draw(scenarios(fusion=fusion))), data)
+
+
+def lose_at_random(d: Driver, data: st.DataObject) -> None:
+    """Run ``d`` to its end, losing values and nodes at random points."""
     keys = sorted(d.deps)
     d.start()
     losses = node_deaths = lates = 0
@@ -1672,3 +1699,139 @@ def test_fused_group_that_does_not_fit_takes_what_is_left():
     assert s.used == 0.5
     assert not submits(finish(s, group))
     assert s.used == 0.0 and s.done
+
+
+# ---- shuffles: bundles of a map and its pieces ----------------------------------
+
+
+@st.composite
+def shuffles(draw) -> Scenario:
+    """One shuffle, or two in a row: N maps, each a bundle with M pieces, M reducers
+    reading piece j of every map; sometimes an upstream step, a final sum, a piece
+    requested as an output, given sources."""
+    bundles: dict = {}
+    deps: dict = {}
+
+    def shuffle(tag: str, inputs: list, m: int) -> list:
+        for i, src in enumerate(inputs):
+            deps[f"{tag}map{i}"] = {src}
+            pieces = tuple(f"{tag}piece{i}_{j}" for j in range(m))
+            deps.update({p: {f"{tag}map{i}"} for p in pieces})
+            bundles[f"{tag}map{i}"] = pieces
+        for j in range(m):
+            deps[f"{tag}red{j}"] = {f"{tag}piece{i}_{j}" for i in range(len(inputs))}
+        return [f"{tag}red{j}" for j in range(m)]
+
+    n = draw(st.integers(1, 5))
+    inputs = [f"src{i}" for i in range(n)]
+    deps.update({k: set() for k in inputs})
+    if draw(st.booleans()):
+        deps.update({f"up{i}": {src} for i, src in enumerate(inputs)})
+        inputs = [f"up{i}" for i in range(n)]
+    ends = shuffle("a", inputs, draw(st.integers(1, 5)))
+    if draw(st.booleans()):
+        ends = shuffle("b", ends, draw(st.integers(1, 4)))
+    if draw(st.booleans()):
+        deps["total"] = set(ends)
+        ends = ["total"]
+    keys = list(deps)
+    pieces = sorted(p for ps in bundles.values() for p in ps)
+    outputs = set(ends) | draw(st.sets(st.sampled_from(pieces), max_size=2))
+    sources = [k for k in keys if not deps[k]]
+    available = draw(st.sets(st.sampled_from(sources), max_size=len(sources) // 2))
+    fixed = {k for k in sorted(available) if draw(st.booleans())}
+    if draw(st.booleans()):
+        priorities = dask_priorities(deps)
+    else:
+        priorities = dict(zip(keys, draw(st.permutations(range(len(keys)))), strict=True))
+
+    def category(k: str) -> str:
+        return next((c for c in ("map", "piece", "red") if c in k), "c0")
+
+    durations = {
+        "c0": CHEAP,
+        "piece": CHEAP,
+        "map": draw(st.sampled_from([CHEAP, SLOW])),
+        "red": draw(st.sampled_from([CHEAP, SLOW])),
+    }
+    retries = draw(st.dictionaries(st.sampled_from(keys), st.integers(0, 2), max_size=3))
+    return Scenario(
+        dependencies=deps,
+        priorities=priorities,
+        outputs=outputs,
+        available=available,
+        resources={},
+        retries=retries,
+        capacity=draw(st.integers(1, 4)),
+        fusion=Fusion(enabled=draw(st.booleans())),
+        categories={k: category(k) for k in keys},
+        durations=durations,
+        default_retries=draw(st.integers(0, 2)),
+        cheap_cost=draw(st.sampled_from([1.0, 0.5])),
+        fixed=fixed,
+        bundles=bundles,
+    )
+
+
+@SETTINGS
+@given(sc=shuffles(), data=st.data())
+def test_random_shuffles(sc, data):
+    """Each map runs once with all its pieces, each piece kept as its own value and
+    released once its reducer has run; capacity changes on the way."""
+    d = Driver(sc)
+    d.start()
+    while d.inflight:
+        if data.draw(st.integers(0, 7)) == 7:
+            d.change_capacity(data.draw(st.integers(1, 4)))
+        else:
+            d.finish(data.draw(st.sampled_from(sorted(d.inflight))))
+    d.check_complete()
+    maps = [s for s in d.submits if s.keys[0] in sc.bundles]
+    assert sorted(s.keys[0] for s in maps) == sorted(sc.bundles.keys() - sc.available)
+    assert all(s.kept == sc.bundles[s.keys[0]] for s in maps)
+    d.label()
+
+
+@SETTINGS
+@given(sc=shuffles(), data=st.data())
+def test_random_shuffles_lost_pieces(sc, data):
+    """Pieces lost at random (also while their map runs again for another lost piece),
+    nodes dying under maps: each wave reruns the maps of the lost pieces, keeping only
+    those pieces; the result is complete and everything else is freed."""
+    lose_at_random(Driver(sc), data)
+
+
+@SETTINGS
+@given(sc=shuffles(), data=st.data())
+def test_random_shuffles_failures(sc, data):
+    """A map's error retries as annotated then fails the compute, freeing every piece."""
+    fail_at_random(Driver(sc), data)
+
+
+def test_bundle_loses_one_piece_and_reruns_its_map_keeping_only_it():
+    deps = {"src": set(), "map": {"src"}, "p0": {"map"}, "p1": {"map"}}
+    deps |= {"r0": {"p0"}, "r1": {"p1"}}
+    st_ = make(deps, ["r0", "r1"], bundles={"map": ("p0", "p1")})
+    (sub,) = submits(st_.start())
+    (sub,) = submits(finish(st_, sub, SLOW))
+    assert sub.keys == ("map", "p0", "p1") and sub.kept == ("p0", "p1")
+    out = finish(st_, sub, SLOW)
+    assert releases(out) == {"src"} and st_.state["map"] == "released"
+    r0, r1 = sorted(submits(out), key=lambda s: s.root)
+    assert (r0.inputs, r1.inputs) == (("p0",), ("p1",))  # each reducer reads its piece only
+    assert releases(finish(st_, r0, SLOW)) == {"p0"}
+    out = st_.handle(ResultsLost(("p1",)))
+    (rec,) = recovers(out)
+    assert set(rec.recompute) == {"p1", "map", "src"} and cancels(out) == {r1.group}
+    (sub,) = submits(out)
+    (sub,) = submits(finish(st_, sub, SLOW))
+    assert sub.keys == ("map", "p1") and sub.kept == ("p1",)
+    st_.validate_state()
+
+
+def test_a_map_requested_as_output_is_no_bundle():
+    deps = {"map": set(), "p0": {"map"}, "p1": {"map"}, "r": {"p0", "p1"}}
+    st_ = make(deps, ["r", "map"], bundles={"map": ("p0", "p1")})
+    assert st_.bundles == {}
+    (sub,) = submits(st_.start())
+    assert sub.keys == ("map",) and sub.kept == ("map",)

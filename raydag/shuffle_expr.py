@@ -1,0 +1,51 @@
+"""raydag's shuffle as a dask-expr expression (imports dask.dataframe: loaded on demand).
+
+See ``raydag.shuffle`` for the graph's shape and why.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from dask._task_spec import List, Task, TaskRef
+from dask.dataframe.dask_expr._shuffle import SimpleShuffle
+
+from raydag.shuffle import MAP, PIECE, concat, piece, split
+
+
+class RaydagShuffle(SimpleShuffle):
+    """N maps with M pieces each, M concatenations of piece j of every map."""
+
+    @functools.cached_property
+    def _meta(self) -> Any:
+        meta = self.frame._meta
+        return meta.reset_index(drop=True) if self.ignore_index else meta
+
+    def _layer(self) -> dict:
+        name = self._name
+        maps, pieces = MAP + name, PIECE + name
+        nin = self.frame.npartitions
+        nout = self.npartitions_out
+        meta = self.frame._meta
+        columns = tuple(meta.columns) if hasattr(meta, "columns") else None
+        dsk: dict = {}
+        for i in range(nin):
+            key = (maps, i)
+            dsk[key] = Task(
+                key,
+                split,
+                TaskRef((self.frame._name, i)),
+                self.partitioning_index,
+                nout,
+                self.ignore_index,
+                columns,
+                (name, i),
+            )
+        for out, j in enumerate(self._partitions):
+            for i in range(nin):
+                k = (pieces, j, i)
+                dsk[k] = Task(k, piece, TaskRef((maps, i)), j)
+            refs = List(*(TaskRef((pieces, j, i)) for i in range(nin)))
+            dsk[(name, out)] = Task((name, out), concat, refs, self.ignore_index)
+        return dsk
