@@ -432,12 +432,12 @@ def test_shuffle_larger_than_the_object_stores_spills(clusters, log):
     assert grown < 150, f"the driver's memory grew by {grown:.0f} MiB"
     del got, x, y
     gc.collect()
-    try:
-        # objects spilled or allocated on disk while the stores were full go slowly
-        assert_stores_empty(timeout=60)
-    except AssertionError:
-        from conftest import _describe_leftovers
-
-        print(_describe_leftovers())
-        raise
+    # Every object freed: no primary copy is left anywhere. Copies restored from
+    # spill files may stay a while as evictable secondary copies (no owner refers to
+    # them): Ray drops those when it needs the room.
+    wait_until(
+        lambda: sum(s.primary_bytes for s in store_stats().values()) == 0,
+        "every primary copy freed",
+        timeout=60,
+    )
     clusters.close()
