@@ -44,10 +44,15 @@ def nodes(cluster):
 
 
 def run(nodes: dict, **config) -> tuple[list, dict]:
-    """The chain under ``config``: its results, and each node's peak store use."""
+    """The chain under ``config``: its results, and each node's peak of pinned bytes
+    (what placement counts: cached copies of values held elsewhere are Ray's to evict)."""
     with dask.config.set({"raydag.record.enabled": True, **config}), StoreSampler(0.05) as s:
         got = dask.compute(*workloads.chains(**CHAIN), scheduler=raydag.ray_get)
-    return list(got), {n: s.peak_used.get(n, 0) for n in nodes}
+    pinned = dict.fromkeys(nodes, 0)
+    for x in s.samples:
+        if x.node in pinned:
+            pinned[x.node] = max(pinned[x.node], x.primary_bytes)
+    return list(got), pinned
 
 
 def test_pile_up_stays_below_the_high_water_mark(nodes):
