@@ -441,11 +441,20 @@ def store_objects() -> int:
 
 
 def assert_stores_empty(timeout: float = 5.0) -> None:
-    """No object left in any alive node's store (the raylets free in batches: poll)."""
+    """No object left in any alive node's store (the raylets free in batches: poll).
+
+    After node deaths and spilling, Ray may keep a copy it fetched or restored as an
+    unreferenced cache (no primary copy, evicted when room is needed): after the
+    timeout, such copies pass; a primary copy (someone still holds a reference) never.
+    """
     deadline = time.monotonic() + timeout
     while (n := store_objects()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert n == 0, f"{n} objects left in the object stores after {timeout} s"
+    if n:
+        pinned = sum(s.primary_bytes for s in store_stats().values())
+        assert pinned == 0, (
+            f"{n} objects ({pinned} pinned bytes) left in the stores after {timeout} s"
+        )
 
 
 def ensure_nodes(c: MultiNodeCluster, n: int = 3) -> None:
