@@ -582,9 +582,10 @@ class State:
                 self.state[m] = RELEASED
             self.recovering.discard(m)
         share = ev.nbytes // len(kept)  # a bundle's pieces: about alike
-        size = self.sizes.setdefault(self.category(kept[-1]), [0, 0])
-        size[0] += 1
-        size[1] += share
+        if self.placement.enabled:  # sizes per category: only placement reads them
+            size = self.sizes.setdefault(self.category(kept[-1]), [0, 0])
+            size[0] += 1
+            size[1] += share
         for root in kept:
             self.state[root] = MEMORY
             self.where[root] = ev.node
