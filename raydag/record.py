@@ -265,9 +265,9 @@ class Recorder:
                 g = groups.pop(group, None)
                 durations = ev.durations
                 if g is None:  # cancelled earlier, or unknown: a copy that lost
-                    keys, attempt, wave, dup, inb = tuple(durations), 0, 0, False, None
+                    keys, attempt, wave, dup, inb, kept = tuple(durations), 0, 0, False, None, ()
                 else:
-                    keys, attempt, wave, dup, inb = g
+                    keys, attempt, wave, dup, inb, kept = g
                     stop(keys[-1])
                 if not keys:
                     continue
@@ -276,24 +276,30 @@ class Recorder:
                 start = (ev.started - wall0) if ev.started else t - sum(durations.values())
                 node, worker = ev.node, ev.worker
                 get = durations.get
-                for k in keys[:-1]:  # fused members: no value kept, no sizes
+                # the size of each value kept, when several are (else the root's)
+                sizes = dict(zip(kept, ev.sizes, strict=True)) if len(ev.sizes) == len(kept) else {}
+                for k in keys[:-1]:  # fused members: no size unless kept
                     d = get(k)
                     name, cat = names[k]
                     add((start, seq, STARTED, name, cat, group, attempt, wave, node, worker,
                          None, None, None, dup, None, None, 0))  # fmt: skip
                     if d is not None:
                         start += d
+                    size = sizes.get(k)
                     add((start, seq, kind, name, cat, group, attempt, wave, node, worker,
-                         None, None, d, dup, None, None, 0))  # fmt: skip
+                         size, None, d, dup, None, None, 0))  # fmt: skip
+                    if size is not None and kind is FINISHED:
+                        nbytes[k] = size
                 d = get(root)
                 name, cat = names[root]
                 add((start, seq, STARTED, name, cat, group, attempt, wave, node, worker,
                      None, None, None, dup, None, None, 0))  # fmt: skip
+                size = sizes.get(root, ev.nbytes)
                 add((start + (d or 0.0), seq, kind, name, cat, group, attempt, wave, node,
-                     worker, ev.nbytes, inb, d, dup, None, None, 0))  # fmt: skip
+                     worker, size, inb, d, dup, None, None, 0))  # fmt: skip
                 if kind is FINISHED:
                     done.add(root)
-                    nbytes[root] = ev.nbytes
+                    nbytes[root] = size
                     if recovering:
                         for k in keys:
                             recovering.pop(k, None)
@@ -327,7 +333,7 @@ class Recorder:
                     wave = max(recovering.get(k, 0) for k in keys) if recovering else 0
                     inb = sum(nbytes.get(k) or 0 for k in ins.inputs)
                     group, attempt = ins.group, ins.attempt
-                    groups[group] = (keys, attempt, wave, dup, inb)
+                    groups[group] = (keys, attempt, wave, dup, inb, ins.kept)
                     kind = DUPLICATED if dup else SUBMITTED
                     # where it was sent: a duplicate's node, or where placement put it
                     node, why = ins.node, ins.placed or None

@@ -589,6 +589,7 @@ class Runner:
                 outcome.node,
                 outcome.started,
                 outcome.pid,
+                tuple(sizes) if len(sub.kept) > 1 else (),
             )
         ]
 

@@ -39,6 +39,14 @@ MEMORY = "memory"
 RELEASED = "released"
 
 
+# Consumers that are not cheap still run in their producer's task when together they
+# take at most this share of its runtime (a writer after an hour of processing).
+CONSUMERS_SHARE = 0.5
+# A consumer's category is judged on this many runs (the first run in a worker pays
+# for imports and warm-up); until then it is probed, one group at a time.
+PROBES = 3
+
+
 class WorkerDiedError(RuntimeError):
     """A task kept killing the worker process running it; retries are exhausted."""
 
@@ -149,6 +157,8 @@ class TaskFinished:
     # its worker (wall clock, seconds since the epoch) and the worker's process id.
     started: float = 0.0
     worker: int = 0
+    # The size of each kept value (``Submit.kept``), when the group keeps several.
+    sizes: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -253,11 +263,19 @@ class Group:
     # when a copy died with its node while a duplicate ran on (for ``Won.saved``)
     spared_at: float | None = None
     duplicated: int = 0  # duplicates started, ever: capped by Speculation.max_copies
-    returns: tuple = ()  # a bundle's kept pieces (see ``State.bundles``); () for the root
+    returns: tuple = ()  # the kept values when several (bundle pieces, consumers)
+    # Consumers run in the task of the key they read (``State._consumers``), last in
+    # ``keys``: the key before them leaves nothing in the object store.
+    consumers: tuple = ()
 
     @property
     def kept(self) -> tuple:
         return self.returns or (self.keys[-1],)
+
+    @property
+    def lead(self) -> Key:
+        """The key the group runs for: its root, or the key its consumers read."""
+        return self.keys[-1 - len(self.consumers)]
 
 
 @dataclass(frozen=True)
@@ -581,15 +599,17 @@ class State:
                 self.waiters[m] = 0
                 self.state[m] = RELEASED
             self.recovering.discard(m)
-        share = ev.nbytes // len(kept)  # a bundle's pieces: about alike
-        if self.placement.enabled:  # sizes per category: only placement reads them
-            size = self.sizes.setdefault(self.category(kept[-1]), [0, 0])
-            size[0] += 1
-            size[1] += share
-        for root in kept:
+        sizes = ev.sizes
+        if len(sizes) != len(kept):  # not told: a bundle's pieces are about alike
+            sizes = (ev.nbytes // len(kept),) * len(kept)
+        for root, nbytes in zip(kept, sizes, strict=True):
+            if self.placement.enabled:  # sizes per category: only placement reads them
+                size = self.sizes.setdefault(self.category(root), [0, 0])
+                size[0] += 1
+                size[1] += nbytes
             self.state[root] = MEMORY
             self.where[root] = ev.node
-            self.nbytes[root] = share
+            self.nbytes[root] = nbytes
             for d in self.dependents[root]:
                 if self.state[d] != WAITING:  # given, or released lineage of a given value
                     continue
@@ -609,7 +629,7 @@ class State:
             firsts = [group.copies[c].started for c in losers if group.copies[c].started]
             saved = start - min(firsts) if firsts else 0.0
             why = "the duplicate finished first"
-        return Won(group.keys[-1], group.id, ev.group, losers, max(0.0, saved), why)
+        return Won(group.lead, group.id, ev.group, losers, max(0.0, saved), why)
 
     def _erred(self, ev: TaskErred, out: list[Instruction]) -> None:
         group = self._live(ev.group)
@@ -692,8 +712,7 @@ class State:
             self.state[k] = WAITING
             self.where.pop(k, None)
             self.nbytes.pop(k, None)
-        if self.bundles:
-            reset.extend(self._rebundle(recompute, out))
+        reset.extend(self._unkept(recompute, out))
         self.recovering.update(recompute)
         self.wave += 1
         out.append(Recover(self.wave, tuple(lost), tuple(recompute), ev.reason))
@@ -713,6 +732,19 @@ class State:
             self.waiters[k] = sum(
                 self.state[d] not in (MEMORY, RELEASED) for d in self.dependents[k]
             )
+
+    def _unkept(self, recompute: list, out: list[Instruction]) -> list:
+        """Groups in flight that make, but do not keep, a value that ``recompute`` reads
+        (a shuffle's map running for other pieces, a producer running with other
+        consumers): they cannot hand it over, so they are cancelled and run again with
+        every reader then waiting."""
+        reset: list = []
+        for k in recompute:
+            for d in self.dependencies[k]:
+                gid = self.group_of.get(d)
+                if gid is not None and d not in self.groups[gid].kept:
+                    reset.extend(self._reset_group(gid, out))
+        return reset
 
     def _reset_group(self, gid: int, out: list[Instruction]) -> tuple:
         """Cancel an in-flight group: its keys wait again. Returns them."""
@@ -753,8 +785,14 @@ class State:
             heapq.heappop(heap)
             keys = self._fuse(key)
             returns = self._bundle_returns(keys)
-            if len(keys) > 1 and not returns:
-                fused = self._cost(key, sum(self.estimate(k) or 0.0 for k in keys))
+            consumers = () if returns else self._consumers(keys)
+            if consumers:
+                keys += consumers
+                returns = consumers if len(consumers) > 1 else ()
+            if len(keys) > 1 and not self._bundle_returns(keys):
+                estimates = [self.estimate(k) for k in keys]
+                total = None if None in estimates else sum(estimates)
+                fused = self._cost(key, total)
                 # A group takes at most what is left: fusing must not wait for a
                 # whole free slot, nor push the work in flight past capacity.
                 cost = min(fused, self.capacity - self.used) if self.used else fused
@@ -762,7 +800,9 @@ class State:
             inputs = tuple(
                 {d: None for m in keys for d in self.dependencies[m] if d not in members}
             )
-            group = Group(self._next_group, keys, members, inputs, cost, returns=returns)
+            group = Group(
+                self._next_group, keys, members, inputs, cost, returns=returns, consumers=consumers
+            )
             self._next_group += 1
             self.groups[group.id] = group
             self.used += cost
@@ -874,8 +914,10 @@ class State:
 
     def _may_duplicate(self, group: Group) -> bool:
         """Only a lone task that needs nothing but CPUs, of a category not known cheap."""
-        r = self.resources.get(group.keys[-1])
-        return len(group.keys) == 1 and not self._cheap(group.keys[0]) and set(r or ()) <= {"CPU"}
+        lead = group.lead
+        alone = len(group.keys) == 1 + len(group.consumers)  # consumers may come along
+        r = self.resources.get(lead)
+        return alone and not self._cheap(lead) and set(r or ()) <= {"CPU"}
 
     def _preempt(self, cost: float, out: list[Instruction]) -> bool:
         """Cancel duplicates, youngest first, if that lets a first copy of ``cost`` run.
@@ -919,15 +961,15 @@ class State:
             if not starts:
                 continue
             ran = self.now - min(starts)
-            if ran >= sp.min_runtime and self._long(g.keys[-1], ran):
-                candidates.append((self.priorities[g.keys[-1]], g.id))
+            if ran >= sp.min_runtime and self._long(g.lead, ran):
+                candidates.append((self.priorities[g.lead], g.id))
         for _, gid in sorted(candidates):
             if len(self.copy_of) >= sp.max_in_flight:
                 return
             g = self.groups[gid]
             if self.used + g.cost > self.capacity + 1e-9:
                 return
-            cpus = float((self.resources.get(g.keys[-1]) or {}).get("CPU", 1))
+            cpus = float((self.resources.get(g.lead) or {}).get("CPU", 1))
             avoid = {c.node for c in g.copies.values()}
             nodes = [n for n, c in idle.items() if n not in avoid and c >= cpus]
             if not nodes:
@@ -1032,6 +1074,61 @@ class State:
             cur = nxt
         return tuple(keys)
 
+    def _consumers(self, keys: tuple) -> tuple:
+        """The consumers of the group's root that run in its Ray task, right after it.
+
+        All of the root's pending consumers or none, so that its value never leaves
+        the task (a producer read by a writer and a histogram fill: its output is
+        never stored, nor held until the last of them runs). Each must read nothing
+        else but values in memory, be of the root's kind and not be a bundle's; their
+        measured runtimes together must be cheap (and the group within
+        ``max_group_duration``), or short beside the root's (``CONSUMERS_SHARE``): a
+        chain of like tasks is not merged. A consumer of
+        a category measured fewer than ``PROBES`` times may join as its category's
+        probe (one group at a time, run nowhere else), so that categories dask.order
+        runs last are learned early, and not from one cold start alone.
+        """
+        root = keys[-1]
+        f = self.fusion
+        if (
+            not f.enabled
+            or root in self.outputs
+            or root in self.available
+            or root in self.bundles
+            or root in self.piece_of
+        ):
+            return ()
+        pending = [d for d in self.dependents[root] if self.state[d] not in (MEMORY, RELEASED)]
+        if not pending or len(keys) + len(pending) > f.max_group_size:
+            return ()
+        total = 0.0
+        probes: set = set()
+        for d in pending:
+            if (
+                self.state[d] != WAITING
+                or d in self.bundles
+                or d in self.piece_of
+                or not self._same_kind(root, d)
+                or any(self.state[x] != MEMORY for x in self.dependencies[d] if x != root)
+            ):
+                return ()
+            cat = self.category(d)
+            count, seconds = self.stats.get(cat, (0, 0.0))
+            if count < PROBES:
+                probes.add(cat)
+            else:
+                total += seconds / count
+        group = sum(self.estimate(k) or 0.0 for k in keys) + total
+        cheap = total < f.max_task_duration and group <= f.max_group_duration
+        lead = self.estimate(root)
+        if not cheap and (lead is None or total > lead * CONSUMERS_SHARE):
+            return ()
+        if probes:  # a category is measured by one task at a time
+            running = [*keys, *(k for g in self.groups.values() for k in g.keys)]
+            if any(self.category(k) in probes for k in running):
+                return ()
+        return tuple(sorted(pending, key=self.priorities.__getitem__))
+
     def _exclusive_subtree(self, key: Key, like: Key, budget: int) -> list | None:
         """``key`` and its unfinished ancestors, topologically, if all can join a group.
 
@@ -1097,18 +1194,6 @@ class State:
     def _bundle_returns(self, keys: tuple) -> tuple:
         return keys[1:] if keys[0] in self.bundles else ()
 
-    def _rebundle(self, recompute: list, out: list[Instruction]) -> list:
-        """A bundle in flight lacks a piece that must be made again: it cannot make it
-        (the map's value never leaves its task), so it is cancelled and runs again
-        with every piece then waiting."""
-        maps = {self.piece_of[k] for k in recompute if k in self.piece_of}
-        reset: list = []
-        for m in maps:
-            gid = self.group_of.get(m)
-            if gid is not None and self.state[m] == PROCESSING:
-                reset.extend(self._reset_group(gid, out))
-        return reset
-
     def _validate_bundles(self) -> None:
         for m, pieces in self.bundles.items():
             assert self.state[m] != MEMORY, ("a bundle's map value left its task", m)
@@ -1118,7 +1203,7 @@ class State:
                 assert g.returns == g.keys[1:], g
                 assert set(g.returns) <= set(self.bundles[g.keys[0]]), g
             else:
-                assert not g.returns, g
+                assert not g.returns or g.returns == g.consumers, g
                 assert not any(k in self.piece_of or k in self.bundles for k in g.keys), g
 
     # ---- checks -----------------------------------------------------------------

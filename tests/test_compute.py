@@ -58,6 +58,38 @@ def in_worker():
 # ---- dask.array -----------------------------------------------------------------
 
 
+def _read(i):
+    time.sleep(0.02)
+    return np.full(200_000, float(i))  # 1.6 MB: through the object store if it leaves
+
+
+def _write(x, i):
+    return f"part-{i}: {x.size}"
+
+
+def test_producer_with_cheap_consumers_keeps_its_value_in_its_task(assert_store_empty):
+    """A skim's shape: each read feeds only a write and a histogram fill, which dask.order
+    runs last and first. Once measured, they run in the read's Ray task: the read's
+    value never reaches the object store, nor is held until the writes run."""
+    parts = 12
+    reads = [dask.delayed(_read)(i, dask_key_name=("read", i)) for i in range(parts)]
+    hists = [dask.delayed(np.histogram)(r, bins=4, range=(0, parts)) for r in reads]
+    writes = [dask.delayed(_write)(r, i, dask_key_name=("write", i)) for i, r in enumerate(reads)]
+    total = dask.delayed(lambda hs: sum(h[0] for h in hs))(hists)
+    got, expected = compute_both(total, writes)
+    np.testing.assert_array_equal(got[0], expected[0])
+    assert got[1] == expected[1]
+    t = raydag.last_run().tasks
+    reads_run = t[t.category == "read"]
+    together = t[t.group.isin(reads_run.group)].groupby("group").category.agg(frozenset)
+    joined = together[together.map(lambda c: {"read", "write", "histogram"} <= c)]
+    assert len(reads_run) == parts
+    # the first read is each category's probe; later ones wait for the measures
+    assert len(joined) >= parts - 4, together.value_counts()
+    assert (t[t.category == "read"].nbytes.isna()).sum() >= len(joined)  # never stored
+    assert_store_empty()
+
+
 def _x():
     # 1000x1000 float64 in 250x250 chunks: 500 kB each, stored in plasma, not inlined.
     return da.random.default_rng(42).random((1000, 1000), chunks=250)

@@ -7,6 +7,7 @@ held and what is ready, on every event of many random runs.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable
 
@@ -17,6 +18,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from raydag.state import (
+    CONSUMERS_SHARE,
+    PROBES,
     Aborted,
     Cancel,
     CapacityChanged,
@@ -253,19 +256,24 @@ class Driver:
         self.restored: set = set()
         self.lineage_run: set = set()
         self.piece_of = {p: m for m, ps in sc.bundles.items() for p in ps}
+        # group -> the consumers that run in its task after the key they read
+        self.consumers_of: dict[int, tuple] = {}
+        self.absorbed: list[int] = []  # how many consumers each such group took
+        self.runs: collections.Counter = collections.Counter()  # category -> runs reported
 
     # -- events ---------------------------------------------------------------
 
     def start(self) -> list:
         out = self.state.start()
         self._apply(out)
-        assert all(len(s.keys) == 1 or s.returns for s in out if isinstance(s, Submit)), (
-            "fused before any duration was known"
-        )
+        for s in out:  # nothing is measured yet: only consumers come along, as probes
+            if isinstance(s, Submit) and not s.returns:
+                assert len(s.keys) == 1 + len(self.consumers_of[s.group]), ("fused early", s)
         return out
 
     def finish(self, gid: int) -> list:
         sub = self.inflight.pop(gid)
+        self.consumers_of.pop(gid, None)
         self.finished.update(sub.keys)
         self.memory.update(sub.kept)
         self.roots.update(sub.kept)
@@ -274,9 +282,13 @@ class Driver:
             self.given.add(sub.root)
         for k in sub.keys:
             self.known[self.sc.categories[k]] = self.sc.durations[self.sc.categories[k]]
+            self.runs[self.sc.categories[k]] += 1
         durations = {k: self.sc.durations[self.sc.categories[k]] for k in sub.keys}
         node = f"node{gid % 3}"
-        out = self.state.handle(TaskFinished(gid, durations, nbytes=8, node=node))
+        sizes = (8,) * len(sub.kept) if len(sub.kept) > 1 else ()  # each kept value: 8 bytes
+        out = self.state.handle(
+            TaskFinished(gid, durations, nbytes=8 * len(sub.kept), node=node, sizes=sizes)
+        )
         assert all(self.state.where[k] == node for k in sub.kept)
         self._apply(out)
         return out
@@ -354,12 +366,13 @@ class Driver:
                         restored.add(d)
                 elif d in gone:
                     stack.append(d)
-        # and a shuffle's map running for other pieces runs again with these too
-        remap = {self.piece_of[k] for k in expected if k in self.piece_of}
+        # and a group making, but not keeping, a value read by one of these runs again
+        # (a shuffle's map running for other pieces, a producer with other consumers)
+        read = {d for k in expected for d in self.deps[k]}
         doomed = {
             g
             for g, sub in self.inflight.items()
-            if lost_set & set(sub.inputs) or (sub.returns and sub.keys[0] in remap)
+            if lost_set & set(sub.inputs) or read & (set(sub.keys) - set(sub.kept))
         }
 
         out = self.state.handle(ResultsLost(keys, reason))
@@ -389,6 +402,7 @@ class Driver:
 
         for g in cancels:  # the cancelled run again, as new groups
             sub = self.inflight.pop(g)
+            self.consumers_of.pop(g, None)
             self.submitted -= set(sub.keys)
             self.cancelled.append(g)
         for keyset in (self.finished, self.memory, self.released, self.roots, self.submitted):
@@ -464,7 +478,8 @@ class Driver:
         r = self.sc.resources.get(keys[0])
         cpus = float(r.get("CPU", 1)) if r else 1.0
         seen = [self.known.get(self.sc.categories[k]) for k in keys]
-        estimate = seen[0] if len(keys) == 1 else sum(s or 0.0 for s in seen)
+        # a group with a task not measured yet takes whole CPUs
+        estimate = seen[0] if len(keys) == 1 else None if None in seen else sum(seen)
         if estimate is not None and estimate < self.sc.fusion.max_task_duration:
             return cpus * self.sc.cheap_cost
         return cpus
@@ -548,19 +563,21 @@ class Driver:
         assert sub.resources == sc.resources.get(sub.root)
 
         # a shuffle's bundle: its map and every piece not made yet, each piece kept
+        chain, consumers = keys[:1], ()  # a bundle: its map
         if bundle:
             waiting = [p for p in bundle if p not in self.finished]
             assert keys == (keys[0], *waiting), ("bundle", sub, waiting)
             assert sub.kept == tuple(waiting), sub
             assert self.dependents[keys[0]] - members <= self.finished, sub
         else:
-            assert sub.kept == (sub.root,), sub
             assert not any(k in self.piece_of for k in keys), ("piece outside its bundle", sub)
+            chain, consumers = self._split(keys)
+            assert sub.kept == (consumers if len(consumers) > 1 else (sub.root,)), sub
         # shape of a group: topological, each non-root read only inside, inputs held
         for i, k in enumerate(keys):
             inside = self.deps[k] & members
             assert all(keys.index(d) < i for d in inside), ("not topological", sub)
-            if k != sub.root and not bundle:
+            if k != chain[-1] and k in chain and not bundle:
                 assert k not in sc.outputs, ("output fused away", k, sub)
                 assert k not in sc.available, ("given value fused away: owner not healed", sub)
                 assert len(self.dependents[k]) == 1, ("shared value fused away", k, sub)
@@ -570,18 +587,64 @@ class Driver:
         assert set(sub.inputs) == outside, (sub, outside)
         assert outside <= self.memory, ("input not held", outside - self.memory)
 
-        if len(keys) > 1 and not bundle:  # fusion only as configured, of known-cheap, like tasks
-            f = sc.fusion
+        f = sc.fusion
+        if len(keys) > 1 and not bundle:  # fusion only as configured, of like tasks
             assert f.enabled, sub
             assert len(keys) <= f.max_group_size, (len(keys), f.max_group_size, sub)
             for k in keys:
-                seen = self.known.get(sc.categories[k])
-                assert seen is not None and seen < f.max_task_duration, (k, sub)
                 assert sc.resources.get(k) == sc.resources.get(keys[0]), sub
                 assert sc.retries.get(k) == sc.retries.get(keys[0]), sub
-            total = sum(sc.durations[sc.categories[k]] for k in keys)
+        if len(chain) > 1:  # a chain of known-cheap tasks
+            for k in chain:
+                seen = self.known.get(sc.categories[k])
+                assert seen is not None and seen < f.max_task_duration, (k, sub)
+            total = sum(sc.durations[sc.categories[k]] for k in chain)
             assert total <= f.max_group_duration + 1e-9, (total, sub)
+        if consumers:  # every consumer still to run of the chain's last, within budget
+            lead = chain[-1]
+            assert lead not in sc.outputs and lead not in sc.available, sub
+            assert consumers == tuple(
+                sorted(self.dependents[lead] - self.finished, key=sc.priorities.__getitem__)
+            ), ("not all consumers, or out of order", sub)
+            known = [
+                self.known.get(sc.categories[c]) if self.runs[sc.categories[c]] >= PROBES else None
+                for c in consumers
+            ]
+            total = sum(k for k in known if k is not None)
+            led = self.known.get(sc.categories[lead])
+            whole = total + sum(self.known.get(sc.categories[k]) or 0.0 for k in chain)
+            assert (total < f.max_task_duration and whole <= f.max_group_duration + 1e-9) or (
+                led is not None and total <= led * CONSUMERS_SHARE
+            ), ("consumers too slow to follow", sub, total, led)
+            probes = {sc.categories[c] for c, k in zip(consumers, known, strict=True) if k is None}
+            others = [g for gid, g in self.inflight.items() if gid != sub.group]
+            running = {sc.categories[k] for g in others for k in g.keys}
+            running |= {sc.categories[k] for k in chain}  # one probe per category, alone
+            assert not probes & running, (sub, probes, running)
+        self.consumers_of[sub.group] = consumers
+        if consumers:
+            self.absorbed.append(len(consumers))
         self.submits.append(sub)
+
+    def _split(self, keys: tuple) -> tuple[tuple, tuple]:
+        """A group's chain (up to the key its consumers read) and its consumers."""
+        members = set(keys)
+        sc, f = self.sc, self.sc.fusion
+        seen = [self.known.get(sc.categories[k]) for k in keys]
+        if (
+            None not in seen
+            and all(s < f.max_task_duration for s in seen)
+            and sum(sc.durations[sc.categories[k]] for k in keys) <= f.max_group_duration + 1e-9
+            and all(len(self.dependents[k]) == 1 for k in keys[:-1])
+        ):
+            return keys, ()  # a plain chain (or tree) of cheap tasks
+        for i in range(1, len(keys)):
+            lead, rest = keys[i - 1], keys[i:]
+            if all(self.deps[c] & members == {lead} for c in rest) and not any(
+                self.dependents[k] & members for k in rest
+            ):
+                return keys[:i], rest
+        return keys, ()
 
     def _check_release(self, key) -> None:
         assert key in self.memory, ("released a value not held", key)
@@ -616,6 +679,11 @@ class Driver:
         event("fused" if largest > 1 else "not fused")
         if largest * CHEAP >= self.sc.fusion.max_task_duration:
             event("fused a group too long to be cheap")
+        if self.absorbed:
+            event(
+                "consumers ran in their producer's task"
+                + (", several" if max(self.absorbed) > 1 else "")
+            )
         event(self.outcome + (", retried" if self.retried else ""))
         if self.waves:
             event(f"recovered {min(self.waves, 3)}{'+' if self.waves > 3 else ''} waves")
@@ -835,7 +903,9 @@ class SpecDriver(Driver):
         assert sub.group not in self.groups_seen, sub
         self.groups_seen.add(sub.group)
         assert (sub.keys, sub.inputs, sub.attempt) == (first.keys, first.inputs, first.attempt)
-        assert len(sub.keys) == 1, ("only lone tasks are duplicated", sub)
+        assert sub.returns == first.returns, sub
+        consumers = self.consumers_of[gid]
+        assert len(sub.keys) == 1 + len(consumers), ("only lone tasks are duplicated", sub)
         assert set(self.sc.resources.get(sub.root) or ()) <= {"CPU"}, sub
         assert not self._ready(), ("duplicate while work is ready", sub)
         assert all(c in self.node for c in self.live[gid]), ("a copy's node unknown", sub)
@@ -876,8 +946,7 @@ class SpecDriver(Driver):
         sub = self.inflight[gid]
         losers = self.live[gid] - {cid}
         node = self.node.get(cid, "nodeX")
-        out = self.state.handle(TaskFinished(cid, {sub.root: self.sc.durations[
-            self.sc.categories[sub.root]]} if len(sub.keys) == 1 else {
+        out = self.state.handle(TaskFinished(cid, {
             k: self.sc.durations[self.sc.categories[k]] for k in sub.keys}, 8, node=node,
             started=self.started.get(cid, 0.0)))  # fmt: skip
         wons = [i for i in out if isinstance(i, Won)]
@@ -885,7 +954,9 @@ class SpecDriver(Driver):
         assert sorted(cancels) == sorted(losers), (cancels, losers, out)
         if cid in self.dups:
             assert len(wons) == 1 and wons[0].copy == cid and set(wons[0].losers) == losers
-            assert wons[0].group == gid and wons[0].key == sub.root and wons[0].saved >= 0
+            lead = sub.keys[0] if sub.returns else sub.keys[len(sub.keys) - 1 - len(
+                self.consumers_of[gid])]  # fmt: skip
+            assert wons[0].group == gid and wons[0].key == lead and wons[0].saved >= 0
             self.dup_wins += 1
         else:
             assert not wons, out
@@ -894,15 +965,17 @@ class SpecDriver(Driver):
             self.copy_cancels.append(c)
         self._forget_copy(cid)
         del self.live[gid]
-        assert self.state.where[sub.root] == node
+        assert all(self.state.where[k] == node for k in sub.kept)
         # the model's bookkeeping of a finished group (as Driver.finish)
         self.inflight.pop(gid)
+        self.consumers_of.pop(gid, None)
         self.finished.update(sub.keys)
-        self.memory.add(sub.root)
-        self.roots.add(sub.root)
+        self.memory.update(sub.kept)
+        self.roots.update(sub.kept)
         self.recovering.difference_update(sub.keys)
         for k in sub.keys:
             self.known[self.sc.categories[k]] = self.sc.durations[self.sc.categories[k]]
+            self.runs[self.sc.categories[k]] += 1
         rest = [i for i in out if not isinstance(i, Won) and not (
             isinstance(i, Cancel) and i.group in losers)]  # fmt: skip
         self._apply(rest)
@@ -1015,8 +1088,9 @@ class PlacementDriver(Driver):
 
     def finish(self, gid: int) -> list:
         sub = self.inflight[gid]
-        self.sizes[self.sc.categories[sub.root]] = self.NBYTES
-        self.where[sub.root] = f"node{gid % 3}"
+        for k in sub.kept:
+            self.sizes[self.sc.categories[k]] = self.NBYTES
+            self.where[k] = f"node{gid % 3}"
         return super().finish(gid)
 
     def sample(self, used: dict, idle: dict) -> list:
@@ -1835,3 +1909,101 @@ def test_a_map_requested_as_output_is_no_bundle():
     assert st_.bundles == {}
     (sub,) = submits(st_.start())
     assert sub.keys == ("map",) and sub.kept == ("map",)
+
+
+# ---- consumers in their producer's task -------------------------------------------
+
+# A skim: each partition is read (slow), then written and histogrammed (cheap); the
+# histograms are summed, the writes finalised. dask.order runs every write last.
+SKIM = {f"read{i}": set() for i in range(4)}
+SKIM |= {f"hist{i}": {f"read{i}"} for i in range(4)}
+SKIM |= {f"write{i}": {f"read{i}"} for i in range(4)}
+SKIM |= {"sum": {f"hist{i}" for i in range(4)}, "final": {f"write{i}" for i in range(4)}}
+
+
+def skim_state(**kwargs) -> State:
+    prio = {k: i for i, k in enumerate(sorted(SKIM, key=lambda k: (k[:4] == "writ", k)))}
+    cat = lambda k: k.rstrip("0123456789")  # noqa: E731
+    return State(SKIM, prio, {"sum", "final"}, category=cat, fusion=Fusion(), **kwargs)
+
+
+def test_consumers_run_in_their_producers_task_and_its_value_never_leaves():
+    s = skim_state(capacity=2)
+    first, second = submits(s.start())
+    # nothing measured yet: the first read takes its consumers along as probes of
+    # their categories; the second, started beside it, does not
+    assert first.keys == ("read0", "hist0", "write0") and first.kept == ("hist0", "write0")
+    assert second.keys == ("read1",)
+    out = s.handle(TaskFinished(first.group, {"read0": 0.1, "hist0": 0.001, "write0": 0.004},
+                                40, "n0", sizes=(8, 32)))  # fmt: skip
+    s.validate_state()
+    assert s.state["read0"] == "released" and "read0" not in releases(out)  # never held
+    assert (s.nbytes["hist0"], s.nbytes["write0"]) == (8, 32)
+    (third,) = submits(out)  # measured now: cheap beside the read
+    assert third.keys == ("read2", "hist2", "write2") and third.kept == ("hist2", "write2")
+    # the read that ran alone keeps its value for its consumers, which run apart
+    out = finish(s, second, 0.1)
+    assert s.state["read1"] == "memory"
+    assert {sub.root for sub in submits(out)} == {"hist1"}
+
+
+def test_slow_consumers_do_not_follow_and_outputs_stay():
+    # a consumer taking more than its share of the producer's time runs apart
+    s = make({"a": set(), "b": {"a"}, "c": {"a"}}, {"b", "c"}, fusion=Fusion(),
+             category=lambda k: "a" if k == "a" else "bc")  # fmt: skip
+    (a,) = submits(s.start())
+    assert a.keys[0] == "a" and set(a.keys[1:]) == {"b", "c"}  # probes
+    s.handle(TaskFinished(a.group, {"a": 0.1, "b": 0.05, "c": 0.05}, 16, sizes=(8, 8)))
+    s2 = make({"a": set(), "b": {"a"}, "c": {"a"}}, {"b", "c"}, fusion=Fusion(),
+              category=lambda k: "a" if k == "a" else "bc",
+              seed_runtimes=None)  # fmt: skip
+    s2.stats = {"a": [3, 0.3], "bc": [3, 0.3]}  # 100 ms each: past half of 100 ms
+    (a,) = submits(s2.start())
+    assert a.keys == ("a",)
+    # an output is kept whole: its consumers run apart
+    s3 = make({"a": set(), "b": {"a"}}, {"a", "b"}, fusion=Fusion())
+    (a,) = submits(s3.start())
+    assert a.keys == ("a",)
+
+
+def test_a_lost_consumer_value_reruns_its_producer_and_a_running_group_that_drops_it():
+    s = skim_state(capacity=1)
+    (g0,) = submits(s.start())
+    assert g0.keys == ("read0", "hist0", "write0")
+    (g1,) = submits(s.handle(TaskFinished(g0.group, {"read0": 0.1, "hist0": 0.001,
+                                                     "write0": 0.004}, 16, "n0", sizes=(8, 8))))  # fmt: skip
+    assert g1.keys == ("read1", "hist1", "write1")
+    # hist0 is lost while nothing summed it yet: read0 runs again, with hist0 alone
+    # (write0 is held)
+    out = s.handle(ResultsLost(("hist0",), "node died"))
+    s.validate_state()
+    (rec,) = recovers(out)
+    assert set(rec.recompute) == {"hist0", "read0"} and not cancels(out)
+    (g2,) = submits(s.handle(TaskFinished(g1.group, {"read1": 0.1, "hist1": 0.001,
+                                                     "write1": 0.004}, 16, "n0", sizes=(8, 8))))  # fmt: skip
+    s.validate_state()
+    assert g2.keys == ("read0", "hist0") and g2.kept == ("hist0",)
+    # now write0 is lost too, while read0 runs without keeping its value: that run
+    # cannot give it, so it is cancelled and read0 runs again for both
+    out = s.handle(ResultsLost(("write0",), "node died"))
+    s.validate_state()
+    assert cancels(out) == {g2.group}
+    (g3,) = submits(out)
+    assert g3.keys == ("read0", "hist0", "write0")
+
+
+def test_a_long_producer_with_its_consumers_is_duplicated():
+    sp = Speculation(enabled=True, quantile=None, long_task=1.0, min_runtime=0.5)
+    deps = {"read": set(), "hist": {"read"}, "write": {"read"}}
+    s = make(deps, {"hist", "write"}, capacity=2, speculation=sp, fusion=Fusion())
+    s.stats = {"read": [1, 5.0], "hist": [1, 0.001], "write": [1, 0.004]}
+    (first,) = submits(s.start())
+    assert first.keys[0] == "read" and len(first.keys) == 3 and len(first.kept) == 2
+    s.handle(TaskStarted(first.group, "n0", 0.0))
+    (dup,) = submits(s.handle(Tick(2.0, {"n1": 1})))
+    s.validate_state()
+    assert (dup.keys, dup.kept, dup.node) == (first.keys, first.kept, "n1")
+    out = s.handle(TaskFinished(dup.group, dict.fromkeys(dup.keys, 1.0), 16, "n1", sizes=(8, 8)))
+    s.validate_state()
+    (won,) = [i for i in out if isinstance(i, Won)]
+    assert won.key == "read" and cancels(out) == {first.group} and s.done
