@@ -152,6 +152,13 @@ def _run_nodes(nodes: list, input_keys: tuple, notify: Any, inputs: tuple) -> tu
     return values, Outcome(durations, 0, ctx.get_node_id(), os.getpid(), started)
 
 
+def _nothing() -> None:
+    return None
+
+
+_spare_worker = ray.remote(num_cpus=0, max_retries=0)(_nothing)
+
+
 # raydag retries and recovers tasks itself, from its own lineage (see the README):
 # Ray's retries would re-run lost work one object at a time, behind raydag's back.
 _remote = ray.remote(num_returns=2, max_retries=0)(run_group)
@@ -645,6 +652,8 @@ class Runner:
                 if meta_ref is not None:
                     _, value_refs = self.pending.pop(meta_ref)
                     ray.cancel(value_refs[0], force=self.force_cancel)
+                    if self.force_cancel and ins.node in self.nodes and ins.node not in self.gone:
+                        self._spare(ins.node)
             elif isinstance(ins, Fail):
                 self.failure = ins
             elif isinstance(ins, Won):
@@ -666,6 +675,16 @@ class Runner:
                     len(ins.recompute),
                     ins.reason,
                 )
+
+    def _spare(self, node: str) -> None:
+        """A forced cancel kills the copy's worker process, and Ray starts another only
+        when a task needs it: a node whose loser was cancelled would make its next task
+        (the graph's last, perhaps) wait 0.4-3 s for a process. A task needing no CPU
+        starts one now, while the node is idle, and leaves it idle in the pool."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        there = NodeAffinitySchedulingStrategy(node, soft=True)
+        _spare_worker.options(scheduling_strategy=there).remote()
 
     def _submit(self, sub: Submit) -> None:
         spec: Any = tuple(sorted(sub.resources.items())) if sub.resources else None

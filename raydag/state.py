@@ -88,9 +88,15 @@ class Release:
 
 @dataclass(frozen=True)
 class Cancel:
-    """Stop this in-flight group; its result, if any arrives, is ignored."""
+    """Stop this in-flight group; its result, if any arrives, is ignored.
+
+    ``node``: where that copy runs, when known (a speculative copy's loser, a
+    preempted duplicate): stopping it may take its worker process down, and the
+    Ray layer starts a spare one there (see ``Runner._spare``).
+    """
 
     group: int
+    node: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -428,6 +434,8 @@ class State:
         self.free: dict[str, float] = {}
         # node -> its latest tasks' runtimes over their category's mean (slow nodes)
         self.pace: dict[str, list[float]] = {}
+        # (node, CPUs): where a duplicate just won; the step's next tasks go there
+        self.steer: tuple[str, float] | None = None
         self.placement = placement
         self.nbytes: dict[Key, int] = {}  # size of each value in memory, as measured
         # the latest store sample: node -> (used, capacity) bytes, and free CPUs per
@@ -504,6 +512,7 @@ class State:
         if isinstance(event, TaskFinished):
             if self._finished(event, out):
                 self._fill(out)
+                self.steer = None
                 self._speculate(out, tick=False)
             return out
         elif isinstance(event, TaskErred):
@@ -586,7 +595,12 @@ class State:
         if winner.duplicate:
             out.append(self._won(group, ev, losers))
         for c in losers:
-            out.append(Cancel(c))
+            out.append(Cancel(c, group.copies[c].node))
+        if losers and ev.node is not None:
+            # The losers' nodes are losing their worker processes (a forced cancel), and
+            # Ray's locality may well send the next task to one of them, to wait seconds
+            # for a new process; the winner's node has a CPU and a worker free right now.
+            self.steer = (ev.node, self._cpus(group))
         for c in group.copies:
             self.copy_of.pop(c, None)
         self.used -= group.cost * len(group.copies)
@@ -833,6 +847,12 @@ class State:
         group.copies = {group.id: Copy()}
         root = group.keys[-1]
         node, why = self._place(group)
+        if node is None and self.steer is not None:
+            steer, free = self.steer
+            cpus = self._cpus(group)
+            if cpus <= free and set(self.resources.get(root) or ()) <= {"CPU"}:
+                node, why = steer, "a duplicate won there (its losers' workers are stopped)"
+                self.steer = (steer, free - cpus) if free > cpus else None
         return Submit(
             group.id,
             group.keys,
@@ -937,7 +957,7 @@ class State:
         dups.sort(key=lambda d: -(d[0].started or math.inf))
         for _, c, g in dups:
             if self.used and self.used + cost > self.capacity + 1e-9 and len(g.copies) > 1:
-                out.append(Cancel(c))
+                out.append(Cancel(c, g.copies[c].node))
                 self._drop_copy(g, c)
         return True
 

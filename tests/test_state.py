@@ -941,7 +941,13 @@ class SpecDriver(Driver):
             assert out == [], ("restarted though a copy runs on", out)
             self.spared += 1
         else:
-            out = [_same_notify(i, sub) for i in out]
+            # the retry goes where Ray puts it (the first may have been sent to the node
+            # where a duplicate had just won)
+            assert all(i.node is None for i in out if isinstance(i, Submit)), out
+            out = [
+                dataclasses.replace(_same_notify(i, sub), node=sub.node, soft=sub.soft) for i in out
+            ]
+            out = [dataclasses.replace(i, placed=sub.placed) for i in out]
             assert out == [sub], (sub, out)
             self.live[gid] = {gid}
             self.retried += 1
@@ -1191,8 +1197,12 @@ def test_duplicate_goes_to_another_idle_node_and_first_result_wins():
     assert won == [Won("a", first.group, dup.group, (first.group,), won[0].saved, won[0].reason)]
     assert won[0].saved == pytest.approx(2.6)  # the original's head start
     assert Cancel(first.group) in out and s.where["a"] == "n2"
+    # where the loser runs: its worker may go down with it (a spare one is started)
+    assert [i.node for i in out if isinstance(i, Cancel)] == ["n0"]
     (b,) = submits(out)
     assert b.keys == ("b",)
+    # to the winner's node, where a CPU and a worker are free (the loser's is stopped)
+    assert (b.node, b.soft) == ("n2", True) and "duplicate won" in b.placed
     # the original's late result is not taken
     assert s.handle(TaskFinished(first.group, {"a": 9.0}, 8, "n0")) == []
     s.validate_state()
@@ -1211,6 +1221,7 @@ def test_no_duplicate_while_work_waits_and_ready_work_preempts_duplicates():
     s.handle(CapacityChanged(2))
     out = finish(s, subs["b"], 0.1)  # ``d`` is ready: the duplicate makes room for it
     assert out[0] == Cancel(dup.group) and [sub.root for sub in submits(out)] == ["d"]
+    assert out[0].node == "n-d"
     assert s.used == 2
     finish(s, subs["a"], 6.0)
     assert s.handle(TaskFinished(dup.group, {"a": 1.0}, 8, "n-d")) == []
