@@ -10,9 +10,13 @@ a category of ``--long`` tasks of 5-10 s, and one final task reading all of them
 
 Each scenario runs without speculation, then with it, seeded with the first run's
 record (``raydag.speculation.seed``: what a production run would have from the day
-before). Makespan is timed from the first task's start (the log every task writes),
-not from the call: a fresh node takes seconds to start its first worker process.
-The lower bound is max(critical path, total work / CPUs) at nominal speed.
+before); ``--repeats`` times, interleaved. Before every run each node gets a warm
+worker process (the task's module imported): a fresh node (after a kill), or one
+whose worker a cancelled copy took down, would otherwise start the run seconds late,
+and which run that hits is luck. Makespan is timed from the first task's start (the
+log every task writes), not from the call. The lower bound is max(critical path,
+total work / CPUs) at nominal speed. "long at" is when the long task's first copy
+started, "copy after" how long after it its other copy (duplicate, or restart) did.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 from typing import Any
 
 import dask
+import ray
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -47,6 +52,7 @@ SETTINGS = {
     "raydag.speculation.min-samples": 5,
     "raydag.speculation.long-task": "3s",
     "raydag.speculation.min-runtime": "0.5s",
+    "raydag.speculation.slow-node": 3,  # the default
 }
 
 
@@ -65,6 +71,26 @@ def lower_bound(spec: dict[str, tuple], cpus: int) -> float:
     work = sum(s for s, _, _ in spec.values())
     path = max(s for s, _, deps in spec.values() if not deps) + spec["total"][0]
     return max(path, work / cpus)
+
+
+def _warm() -> str:
+    import test_speculation  # noqa: F401  (the tasks' module, once per worker process)
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def warm() -> None:
+    """A worker process on every node with CPUs, started and idle, before a run."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    fn = ray.remote(num_cpus=1)(_warm)
+    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")]
+    ray.get(
+        [
+            fn.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
+            for n in nodes
+        ]
+    )
 
 
 def run(
@@ -87,6 +113,7 @@ def run(
     done = threading.Event()
     watcher = threading.Thread(target=chaos, daemon=True) if kill_at is not None else None
     cfg = {**SETTINGS, "raydag.speculation.enabled": on, "raydag.speculation.seed": seed}
+    warm()
     with dask.config.set(cfg):
         if watcher is not None:
             watcher.start()
@@ -97,19 +124,26 @@ def run(
     rec = raydag.last_run()
     rs = runs(log)
     os.unlink(log)
-    span = max(t for *_, t in rs) - min(t for *_, t in rs)
+    first = min(t for *_, t in rs)
+    span = max(t for *_, t in rs) - first
+    long = sorted(k for k in spec if k.startswith("long-"))[0]
+    longs = sorted(t for k, lab, _, t in rs if k == "start" and lab == long)
     s = rec.summary()
     if killed:
         c.add_node()
     return {
         "makespan": span,
         "wall": wall,
+        "long_at": longs[0] - first,
+        "copy_after": longs[1] - longs[0] if len(longs) > 1 else None,
         "runs": sum(1 for k, *_ in rs if k == "start"),
         "duplicates": s["duplicates"],
         "won": s["duplicates_won"],
         "saved": s["time_saved_s"],
         "killed": bool(killed),
         "record": rec,
+        # every run's start and end, seconds from the first start (for the JSON)
+        "log": [(k, lab, n[:8], round(t - first, 3)) for k, lab, n, t in rs],
     }
 
 
@@ -118,6 +152,7 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=16)
     ap.add_argument("--long", type=int, default=1)
     ap.add_argument("--kill-at", type=float, default=0.6)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json")
     args = ap.parse_args()
     cpus = 3
@@ -133,57 +168,69 @@ def main() -> None:
                 "cluster": "head (0 CPUs) + 3 nodes x 1 CPU; node 3 slowed 5x in (a)",
                 "graph": graph_desc,
                 "settings": SETTINGS,
+                "repeats": f"{args.repeats}, each (a) off, (a) on, (b) off, (b) on",
             },
         )
-        # warm every node's worker pool: the first task on a fresh node waits seconds
-        raydag.ray_get(graph({f"w-{i}": (0.5, False, ()) for i in range(6)}, None), ["w-0"])
         rows, out = [], []
-        for name, slow, kill_at in (("(a) slowed 5x", True, None), ("(b) killed", False, 0.6)):
-            spec = heavy_tailed(args.short, args.long, slow)
-            lb = lower_bound(spec, cpus)
-            off = run(c, spec, False, None, kill_at)
-            on = run(c, spec, True, off.pop("record"), kill_at)
-            on.pop("record")
-            for label, r in (("off", off), ("on", on)):
-                rows.append(
-                    [
-                        name,
-                        label,
-                        round(lb, 2),
-                        round(r["makespan"], 2),
-                        round(r["makespan"] / lb, 2),
-                        r["runs"],
-                        r["duplicates"],
-                        r["won"],
-                        round(r["saved"], 1),
-                    ]
+        scenarios = (("(a) slowed 5x", True, None), ("(b) killed", False, args.kill_at))
+        for rep in range(1, args.repeats + 1):
+            for name, slow, kill_at in scenarios:
+                spec = heavy_tailed(args.short, args.long, slow)
+                lb = lower_bound(spec, cpus)
+                off = run(c, spec, False, None, kill_at)
+                on = run(c, spec, True, off.pop("record"), kill_at)
+                on.pop("record")
+                for label, r in (("off", off), ("on", on)):
+                    after = r["copy_after"]
+                    rows.append(
+                        [
+                            name,
+                            rep,
+                            label,
+                            round(lb, 2),
+                            round(r["makespan"], 2),
+                            round(r["makespan"] / lb, 2),
+                            round(r["long_at"], 2),
+                            None if after is None else round(after, 2),
+                            r["runs"],
+                            r["duplicates"],
+                            r["won"],
+                            round(r["saved"], 1),
+                        ]
+                    )
+                speedup = round(off["makespan"] / on["makespan"], 2)
+                rows.append(["", rep, "off / on", "", speedup, *[""] * 7])
+                out.append(
+                    {"scenario": name, "repeat": rep, "lower_bound": lb, "off": off, "on": on}
                 )
-            out.append({"scenario": name, "lower_bound": lb, "off": off, "on": on})
-            speedup = round(off["makespan"] / on["makespan"], 2)
-            rows.append(["", "off / on", "", speedup, "", "", "", "", ""])
+                for line in table(HEADERS, rows[-3:]).splitlines()[2:]:  # progress
+                    print(line, file=sys.stderr, flush=True)
         print()
-        print(
-            table(
-                [
-                    "scenario",
-                    "speculation",
-                    "lower bound s",
-                    "makespan s",
-                    "x bound",
-                    "task runs",
-                    "duplicates",
-                    "won",
-                    "saved s",
-                ],
-                rows,
-            )
-        )
+        print(table(HEADERS, rows))
         print(
             "\nlower bound: max(critical path, total work / 3 CPUs) at nominal speed; "
-            "makespan: first task start to last task end; saved: the record's estimate"
+            "makespan: first task start to last task end; long at: the long task's first\n"
+            "start; copy after: its second copy's start after that (duplicate or restart); "
+            "saved: the record's estimate"
         )
     if args.json:
         write_json(args.json, {**header, "results": out})
+
+
+HEADERS = [
+    "scenario",
+    "rep",
+    "speculation",
+    "lower bound s",
+    "makespan s",
+    "x bound",
+    "long at s",
+    "copy after s",
+    "task runs",
+    "duplicates",
+    "won",
+    "saved s",
+]
 
 
 if __name__ == "__main__":

@@ -152,6 +152,13 @@ def _run_nodes(nodes: list, input_keys: tuple, notify: Any, inputs: tuple) -> tu
     return values, Outcome(durations, 0, ctx.get_node_id(), os.getpid(), started)
 
 
+def _nothing() -> None:
+    return None
+
+
+_spare_worker = ray.remote(num_cpus=0, max_retries=0)(_nothing)
+
+
 # raydag retries and recovers tasks itself, from its own lineage (see the README):
 # Ray's retries would re-run lost work one object at a time, behind raydag's back.
 _remote = ray.remote(num_returns=2, max_retries=0)(run_group)
@@ -163,19 +170,42 @@ class _Inbox:
     Ray tells the driver nothing of a task until it ends (its state API needs the
     dashboard), yet a duplicate must avoid the original's node, a task's runtime
     counts from its real start, not from its submission (it may wait for a worker
-    process), and a running task holds its inputs when the node that made them dies. The task's one-way call costs it about a millisecond; the driver
-    drains the inbox once per poll.
+    process), and a running task holds its inputs when the node that made them dies.
+    The task's one-way call costs it about a millisecond. The driver keeps one
+    ``drain`` in flight, among the refs it waits on: it returns as soon as a note
+    arrives (or after ``hold`` seconds), so a start is heard at once, not at the
+    next poll.
     """
 
     def __init__(self) -> None:
         self.notes: list[tuple] = []
+        self.waiting: dict[int, Any] = {}  # run -> the asyncio.Event its drain awaits
 
-    def started(self, run: int, tag: tuple, node: str, t: float) -> None:
+    async def started(self, run: int, tag: tuple, node: str, t: float) -> None:
         self.notes.append((run, tag, node, t))
+        if (arrived := self.waiting.get(run)) is not None:
+            arrived.set()
 
-    def drain(self) -> list[tuple]:
-        notes, self.notes = self.notes, []
-        return notes
+    async def drain(self, run: int, hold: float = 0.0) -> list[tuple]:
+        """Run ``run``'s notes; none yet: wait up to ``hold`` s for the first. Each run
+        drains its own: a drain left behind by an ended compute takes no other's."""
+        import asyncio
+
+        mine = [n for n in self.notes if n[0] == run]
+        if not mine and hold > 0:
+            arrived = self.waiting[run] = asyncio.Event()
+            try:
+                await asyncio.wait_for(arrived.wait(), hold)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                if self.waiting.get(run) is arrived:
+                    del self.waiting[run]
+            mine = [n for n in self.notes if n[0] == run]
+        if mine:  # and the notes of ended computes nobody drained, after a while
+            stale = time.time() - 600.0
+            self.notes = [n for n in self.notes if n[0] != run and n[3] > stale]
+        return mine
 
 
 _inbox: tuple[Any, Any] | None = None  # (the Ray session's id, the actor handle)
@@ -363,12 +393,15 @@ class Runner:
             while not self.state.done:
                 if not self.pending:
                     raise RuntimeError("raydag: nothing in flight but the graph is not done")
-                ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=self.poll)
+                # the inbox's drain too: a start note wakes the loop (see ``_Inbox``)
+                refs = [*self.pending, *([self._drain] if self._drain is not None else [])]
+                ready, _ = ray.wait(refs, num_returns=1, timeout=self.poll)
                 if ready:
-                    ready, _ = ray.wait(
-                        list(self.pending), num_returns=len(self.pending), timeout=0
-                    )
+                    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
                     for ref in ready:
+                        if self._drain is not None and ref == self._drain:
+                            self._take_notes(wait=0)
+                            continue
                         if ref not in self.pending:  # cancelled while handling an earlier one
                             continue
                         for event in self._events(ref):
@@ -446,12 +479,12 @@ class Runner:
         if self._inbox is None:
             return
         if self._drain is not None:
-            self._collect(wait)
+            self._collect(wait + self.poll if wait else 0)
         if wait and self._drain is None:  # the inbox answers in order: ask once more
-            self._drain = self._inbox.drain.remote()
+            self._drain = self._inbox.drain.remote(self.run_id)
             self._collect(wait)
-        if self._drain is None:
-            self._drain = self._inbox.drain.remote()
+        if self._drain is None:  # held at the inbox until a note comes: see ``run``
+            self._drain = self._inbox.drain.remote(self.run_id, self.poll)
 
     def _collect(self, wait: float) -> None:
         ready, _ = ray.wait([self._drain], timeout=wait)
@@ -620,6 +653,8 @@ class Runner:
                 if meta_ref is not None:
                     _, value_refs = self.pending.pop(meta_ref)
                     ray.cancel(value_refs[0], force=self.force_cancel)
+                    if self.force_cancel and ins.node in self.nodes and ins.node not in self.gone:
+                        self._spare(ins.node)
             elif isinstance(ins, Fail):
                 self.failure = ins
             elif isinstance(ins, Won):
@@ -641,6 +676,16 @@ class Runner:
                     len(ins.recompute),
                     ins.reason,
                 )
+
+    def _spare(self, node: str) -> None:
+        """A forced cancel kills the copy's worker process, and Ray starts another only
+        when a task needs it: a node whose loser was cancelled would make its next task
+        (the graph's last, perhaps) wait 0.4-3 s for a process. A task needing no CPU
+        starts one now, while the node is idle, and leaves it idle in the pool."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        there = NodeAffinitySchedulingStrategy(node, soft=True)
+        _spare_worker.options(scheduling_strategy=there).remote()
 
     def _submit(self, sub: Submit) -> None:
         spec: Any = tuple(sorted(sub.resources.items())) if sub.resources else None
@@ -733,6 +778,7 @@ def speculation_settings() -> Speculation:
         return None if config.get(key) is None else config.seconds(key)
 
     q = config.get("speculation.quantile")
+    slow = config.get("speculation.slow-node")
     return Speculation(
         enabled=bool(config.get("speculation.enabled")),
         quantile=None if q is None else float(q),
@@ -741,6 +787,7 @@ def speculation_settings() -> Speculation:
         min_runtime=config.seconds("speculation.min-runtime"),
         max_in_flight=int(config.get("speculation.max-in-flight")),
         max_copies=int(config.get("speculation.max-copies")),
+        slow_node=None if slow is None else float(slow),
     )
 
 

@@ -96,9 +96,15 @@ class Release:
 
 @dataclass(frozen=True)
 class Cancel:
-    """Stop this in-flight group; its result, if any arrives, is ignored."""
+    """Stop this in-flight group; its result, if any arrives, is ignored.
+
+    ``node``: where that copy runs, when known (a speculative copy's loser, a
+    preempted duplicate): stopping it may take its worker process down, and the
+    Ray layer starts a spare one there (see ``Runner._spare``).
+    """
 
     group: int
+    node: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -208,7 +214,9 @@ class TaskStarted:
 class Tick:
     """Time passes: ``now`` (wall clock); ``idle``: each alive node's free CPUs now.
 
-    Speculation is decided only here, a few times a second, not on every event.
+    Speculation is decided here, a few times a second, from Ray's view of the free
+    CPUs; and between ticks on ``TaskStarted`` and ``TaskFinished``, from that view
+    kept up to date by those events (see ``State._speculate``).
     """
 
     now: float
@@ -292,11 +300,18 @@ class Fusion:
 class Speculation:
     """When a running task gets a duplicate on another node (see README).
 
-    A copy is *long* once it has run ``min_runtime`` and either its runtime is past
-    the ``quantile`` of its category's finished runtimes (with ``min_samples`` of
-    them), or its category's mean runtime, or its own runtime so far, is at least
-    ``long_task``. Either test is off when ``None``. A task gets at most
-    ``max_copies`` duplicates in all (a preempted or dead one counts: no churn).
+    A copy is *long* once its category's mean runtime is at least ``long_task``
+    (from its start: such a task is duplicated as soon as a CPU is free), or once
+    it has run ``min_runtime`` and either its runtime is past the ``quantile`` of
+    its category's finished runtimes (with ``min_samples`` of them) or its own
+    runtime so far is at least ``long_task``. Either test is off when ``None``. A
+    task gets at most ``max_copies`` duplicates in all (a preempted or dead one
+    counts: no churn).
+
+    A node is *slow* once tasks finished there (at least two, of categories with
+    ``min_samples`` runtimes) took a median of ``slow_node`` times their category's
+    mean: a copy running there is a straggler from its start, and no duplicate is
+    sent there. ``None``: off.
     """
 
     enabled: bool = False
@@ -306,6 +321,7 @@ class Speculation:
     min_runtime: float = 10.0
     max_in_flight: int = 4
     max_copies: int = 1
+    slow_node: float | None = None
 
 
 @dataclass(frozen=True)
@@ -365,6 +381,8 @@ class Runtimes:
 
 class State:
     """What is waiting, ready, running, held and released, for one compute."""
+
+    PACE = 8  # a node's latest runtimes kept to judge it slow
 
     def __init__(
         self,
@@ -429,6 +447,13 @@ class State:
             for x in seconds:
                 r.add(float(x))
         self.copy_of: dict[int, int] = {}  # duplicate copy id -> its group's id
+        # speculation's view of each node's free CPUs: the latest Tick's, plus what a
+        # finished copy freed and less what a started copy or a duplicate took since
+        self.free: dict[str, float] = {}
+        # node -> its latest tasks' runtimes over their category's mean (slow nodes)
+        self.pace: dict[str, list[float]] = {}
+        # (node, CPUs): where a duplicate just won; the step's next tasks go there
+        self.steer: tuple[str, float] | None = None
         self.placement = placement
         self.nbytes: dict[Key, int] = {}  # size of each value in memory, as measured
         # the latest store sample: node -> (used, capacity) bytes, and free CPUs per
@@ -503,7 +528,11 @@ class State:
     def handle(self, event: Event) -> list[Instruction]:
         out: list[Instruction] = []
         if isinstance(event, TaskFinished):
-            self._finished(event, out)
+            if self._finished(event, out):
+                self._fill(out)
+                self.steer = None
+                self._speculate(out, tick=False)
+            return out
         elif isinstance(event, TaskErred):
             self._erred(event, out)
         elif isinstance(event, CapacityChanged):
@@ -518,12 +547,19 @@ class State:
             if g is not None:
                 c = g.copies[event.group]
                 c.node, c.started = event.node, event.started
+                self.now = max(self.now, event.started)
+                if not c.duplicate:  # a duplicate's CPU was taken when it was sent
+                    left = self.free.get(event.node, 0.0) - self._cpus(g)
+                    self.free[event.node] = max(0.0, left)
+                self._speculate(out, tick=False)
+            return out
         elif isinstance(event, StoresSampled):
             self._sampled(event)
         elif isinstance(event, Tick):
             self.now = max(self.now, event.now)
+            self.free = {n: c for n, c in event.idle.items() if c > 0}
             self._fill(out)
-            self._speculate(event, out)
+            self._speculate(out, tick=True)
             return out
         else:
             raise TypeError(f"Unknown event {event!r}")
@@ -561,22 +597,38 @@ class State:
         self.copy_of.pop(copy, None)
         self.used -= group.cost
 
-    def _finished(self, ev: TaskFinished, out: list[Instruction]) -> None:
+    def _finished(self, ev: TaskFinished, out: list[Instruction]) -> bool:
+        """Take a copy's result; ``False`` if it is not ours to take (nothing changed)."""
         group = self._live(ev.group)
         if group is None:  # cancelled or superseded: its result is not ours to keep
-            return
+            return False
         del self.groups[group.id]
         winner = group.copies[ev.group]
         losers = tuple(c for c in group.copies if c != ev.group)
+        if self.speculation.enabled:
+            if ev.started:
+                self.now = max(self.now, ev.started + sum(ev.durations.values()))
+            if ev.node is not None:  # the winner's CPU is free now (the losers' once cancelled)
+                self.free[ev.node] = max(self.free.get(ev.node, 0.0), self._cpus(group))
         if winner.duplicate:
             out.append(self._won(group, ev, losers))
         for c in losers:
-            out.append(Cancel(c))
+            out.append(Cancel(c, group.copies[c].node))
+        if losers and ev.node is not None:
+            # The losers' nodes are losing their worker processes (a forced cancel), and
+            # Ray's locality may well send the next task to one of them, to wait seconds
+            # for a new process; the winner's node has a CPU and a worker free right now.
+            self.steer = (ev.node, self._cpus(group))
         for c in group.copies:
             self.copy_of.pop(c, None)
         self.used -= group.cost * len(group.copies)
         kept = group.kept
         learn = self.speculation.enabled
+        # a lone task's pace tells its node's (not a fused group's: cheap by construction)
+        pace = None
+        alone = len(group.keys) == 1 + len(group.consumers)
+        if learn and self.speculation.slow_node is not None and alone:
+            pace = self.pace.setdefault(ev.node, []) if ev.node is not None else None
         for m in group.keys:
             del self.group_of[m]
             if m in ev.durations:
@@ -588,6 +640,9 @@ class State:
                     r = self.runtimes.get(cat)
                     if r is None:
                         r = self.runtimes[cat] = Runtimes()
+                    if pace is not None and r.count >= self.speculation.min_samples and r.mean:
+                        pace.append(ev.durations[m] / r.mean)
+                        del pace[: -self.PACE]
                     r.add(ev.durations[m])
             for dep in self.dependencies[m]:
                 if dep in group.members:
@@ -618,6 +673,7 @@ class State:
                     self._make_ready(d)
             if self.waiters[root] == 0 and root not in self.outputs:  # a piece nobody reads
                 self._release(root, out)
+        return True
 
     def _won(self, group: Group, ev: TaskFinished, losers: tuple) -> Won:
         win = group.copies[ev.group]
@@ -832,6 +888,12 @@ class State:
         group.copies = {group.id: Copy()}
         root = group.keys[-1]
         node, why = self._place(group)
+        if node is None and self.steer is not None:
+            steer, free = self.steer
+            cpus = self._cpus(group)
+            if cpus <= free and set(self.resources.get(root) or ()) <= {"CPU"}:
+                node, why = steer, "a duplicate won there (its losers' workers are stopped)"
+                self.steer = (steer, free - cpus) if free > cpus else None
         return Submit(
             group.id,
             group.keys,
@@ -938,18 +1000,33 @@ class State:
         dups.sort(key=lambda d: -(d[0].started or math.inf))
         for _, c, g in dups:
             if self.used and self.used + cost > self.capacity + 1e-9 and len(g.copies) > 1:
-                out.append(Cancel(c))
+                out.append(Cancel(c, g.copies[c].node))
                 self._drop_copy(g, c)
         return True
 
-    def _speculate(self, tick: Tick, out: list[Instruction]) -> None:
-        """Duplicate long-running copies onto idle CPUs of other nodes."""
+    def _speculate(self, out: list[Instruction], tick: bool) -> None:
+        """Duplicate long-running copies onto free CPUs of other nodes.
+
+        On a ``Tick``, the free CPUs are Ray's (``self.free`` is reset from it). On
+        ``TaskStarted`` and ``TaskFinished``, they are that view kept up to date by
+        raydag's own events, which Ray's lags by a poll or so: the CPU a copy freed
+        is taken at once. Only while every copy in flight is known started: a copy
+        sent but not started yet may be bound for that CPU, and goes first.
+        """
         sp = self.speculation
         if not sp.enabled or self.failed or self.aborted:
             return
         if self._next_ready() is not None:  # first copies go first
             return
-        idle = {n: c for n, c in tick.idle.items() if c > 0}
+        if len(self.copy_of) >= sp.max_in_flight or self.used >= self.capacity:
+            return
+        idle = {n: c for n, c in self.free.items() if c > 0}
+        if not idle:
+            return
+        if not tick and any(
+            c.node is None for g in self.groups.values() for c in g.copies.values()
+        ):
+            return
         candidates = []
         for g in self.groups.values():
             if g.duplicated >= sp.max_copies or not self._may_duplicate(g):
@@ -961,7 +1038,7 @@ class State:
             if not starts:
                 continue
             ran = self.now - min(starts)
-            if ran >= sp.min_runtime and self._long(g.lead, ran):
+            if self._long(g.lead, ran) or any(self._slow(c.node) for c in copies):
                 candidates.append((self.priorities[g.lead], g.id))
         for _, gid in sorted(candidates):
             if len(self.copy_of) >= sp.max_in_flight:
@@ -969,13 +1046,16 @@ class State:
             g = self.groups[gid]
             if self.used + g.cost > self.capacity + 1e-9:
                 return
-            cpus = float((self.resources.get(g.lead) or {}).get("CPU", 1))
+            cpus = self._cpus(g)
             avoid = {c.node for c in g.copies.values()}
-            nodes = [n for n, c in idle.items() if n not in avoid and c >= cpus]
+            nodes = [
+                n for n, c in idle.items() if n not in avoid and c >= cpus and not self._slow(n)
+            ]
             if not nodes:
                 continue
             node = max(nodes, key=lambda n: (idle[n], n))
             idle[node] -= cpus
+            self.free[node] = idle[node]
             cid = self._next_group
             self._next_group += 1
             g.copies[cid] = Copy(node=node, duplicate=True)
@@ -998,11 +1078,32 @@ class State:
                 )
             )
 
+    def _slow(self, node: str | None) -> bool:
+        """Have tasks run ``slow_node`` times their category's mean on this node?"""
+        factor = self.speculation.slow_node
+        pace = self.pace.get(node) if factor is not None and node is not None else None
+        if not pace or len(pace) < 2:
+            return False
+        s = sorted(pace)
+        return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2 >= factor
+
+    def _cpus(self, group: Group) -> float:
+        return float((self.resources.get(group.lead) or {}).get("CPU", 1))
+
     def _long(self, key: Key, ran: float) -> bool:
-        """Has this task, running for ``ran`` seconds, run long for its category?"""
+        """Has this task, running for ``ran`` seconds, run long for its category?
+
+        A category known long (its mean at least ``long_task``) is long from its
+        start: ``min_runtime`` guards the tests on the task's own runtime only, which
+        say nothing until it has run a while.
+        """
         sp = self.speculation
         r = self.runtimes.get(self.category(key))
-        if sp.long_task is not None and max(ran, r.mean if r else 0.0) >= sp.long_task:
+        if sp.long_task is not None and r is not None and r.count and r.mean >= sp.long_task:
+            return True
+        if ran < sp.min_runtime:
+            return False
+        if sp.long_task is not None and ran >= sp.long_task:
             return True
         if sp.quantile is not None and r is not None and len(r.samples) >= sp.min_samples:
             return ran > r.quantile(sp.quantile)

@@ -852,6 +852,7 @@ class SpecDriver(Driver):
         self.copy_cancels: list[int] = []  # copies cancelled: their late results change nothing
         self.dup_wins = self.preempted = self.spared = self.n_dups = 0
         self.launched: dict[int, int] = {}  # group -> duplicates started
+        self.via_tick = False  # the instructions being checked answer a Tick
 
     def copy_group(self, cid: int) -> int:
         return self.dups[cid].duplicate_of if cid in self.dups else cid
@@ -893,6 +894,7 @@ class SpecDriver(Driver):
             self._deferred = False
         for sub in dups:
             self._check_duplicate(sub)
+        self.via_tick = False
         self.state.validate_state()
         assert abs(self._used() - self.state.used) < 1e-9, (self._used(), self.state.used)
 
@@ -910,11 +912,17 @@ class SpecDriver(Driver):
         assert not self._ready(), ("duplicate while work is ready", sub)
         assert all(c in self.node for c in self.live[gid]), ("a copy's node unknown", sub)
         assert sub.node not in {self.node[c] for c in self.live[gid]}, ("same node", sub)
-        cpus = float((self.sc.resources.get(sub.root) or {}).get("CPU", 1))
+        if not self.via_tick:  # between ticks: only while no copy may be bound for a CPU
+            unknown = [c for g in self.inflight for c in self.live[g] if c not in self.node]
+            assert not unknown, ("a copy in flight not known started", sub, unknown)
+        cpus = self._cpus(sub.root)
         assert self.idle.get(sub.node, 0) >= cpus, (sub, self.idle)
         self.idle[sub.node] -= cpus
         ran = self.now - min(self.started[c] for c in self.live[gid] if c in self.started)
-        assert ran >= sp.min_runtime, (ran, sub)
+        lead = sub.keys[len(sub.keys) - 1 - len(consumers)]  # what the copy runs for
+        mean = self.known.get(self.sc.categories[lead])  # every run of it alike
+        known_long = sp.long_task is not None and mean is not None and mean >= sp.long_task
+        assert known_long or ran >= sp.min_runtime, (ran, sub)
         assert len(self.live[gid]) <= sp.max_copies, ("too many copies", sub)
         self.launched[gid] = self.launched.get(gid, 0) + 1
         assert self.launched[gid] <= sp.max_copies, ("too many duplicates of one task", sub)
@@ -927,28 +935,43 @@ class SpecDriver(Driver):
 
     # -- events ---------------------------------------------------------------
 
+    def _cpus(self, root) -> float:
+        return float((self.sc.resources.get(root) or {}).get("CPU", 1))
+
     def tick(self, dt: float, idle: dict) -> list:
         self.now += dt
         self.idle = dict(idle)
+        self.via_tick = True
         out = self.state.handle(Tick(self.now, idle))
         self._apply(out)
         return out
 
-    def start_copy(self, cid: int, node: str) -> None:
+    def start_copy(self, cid: int, node: str) -> list:
+        """Copy ``cid`` says it started: its node's CPU is taken (a duplicate's was
+        taken when it was sent); a duplicate may follow at once onto a free CPU."""
         node = self.node.get(cid, node)
         self.node[cid] = node
         self.started[cid] = self.now
-        assert self.state.handle(TaskStarted(cid, node, self.now)) == []
-        self.state.validate_state()
+        if cid not in self.dups:
+            cpus = self._cpus(self.inflight[cid].root)
+            self.idle[node] = max(0.0, self.idle.get(node, 0) - cpus)
+        out = self.state.handle(TaskStarted(cid, node, self.now))
+        assert all(isinstance(i, Submit) and i.duplicate_of is not None for i in out), out
+        self._apply(out)
+        return out
 
     def finish_copy(self, cid: int) -> list:
         gid = self.copy_group(cid)
         sub = self.inflight[gid]
         losers = self.live[gid] - {cid}
         node = self.node.get(cid, "nodeX")
-        out = self.state.handle(TaskFinished(cid, {
-            k: self.sc.durations[self.sc.categories[k]] for k in sub.keys}, 8, node=node,
-            started=self.started.get(cid, 0.0)))  # fmt: skip
+        durations = {k: self.sc.durations[self.sc.categories[k]] for k in sub.keys}
+        started = self.started.get(cid, 0.0)
+        if started:  # it ended at its start plus its runtime: the clock is past that
+            self.now = max(self.now, started + sum(durations.values()))
+        # its CPU is free now, as far as the state machine can tell
+        self.idle[node] = max(self.idle.get(node, 0), self._cpus(sub.root))
+        out = self.state.handle(TaskFinished(cid, durations, 8, node=node, started=started))
         wons = [i for i in out if isinstance(i, Won)]
         cancels = [i.group for i in out if isinstance(i, Cancel) and i.group in losers]
         assert sorted(cancels) == sorted(losers), (cancels, losers, out)
@@ -993,7 +1016,13 @@ class SpecDriver(Driver):
             assert out == [], ("restarted though a copy runs on", out)
             self.spared += 1
         else:
-            out = [_same_notify(i, sub) for i in out]
+            # the retry goes where Ray puts it (the first may have been sent to the node
+            # where a duplicate had just won)
+            assert all(i.node is None for i in out if isinstance(i, Submit)), out
+            out = [
+                dataclasses.replace(_same_notify(i, sub), node=sub.node, soft=sub.soft) for i in out
+            ]
+            out = [dataclasses.replace(i, placed=sub.placed) for i in out]
             assert out == [sub], (sub, out)
             self.live[gid] = {gid}
             self.retried += 1
@@ -1014,6 +1043,7 @@ def speculative(draw) -> Scenario:
         min_runtime=draw(st.sampled_from([0.0, 0.5, 2.0])),
         max_in_flight=draw(st.integers(1, 3)),
         max_copies=draw(st.integers(1, 2)),
+        slow_node=draw(st.sampled_from([None, 3.0])),  # every run of a category alike: none
     )
     return sc
 
@@ -1243,8 +1273,12 @@ def test_duplicate_goes_to_another_idle_node_and_first_result_wins():
     assert won == [Won("a", first.group, dup.group, (first.group,), won[0].saved, won[0].reason)]
     assert won[0].saved == pytest.approx(2.6)  # the original's head start
     assert Cancel(first.group) in out and s.where["a"] == "n2"
+    # where the loser runs: its worker may go down with it (a spare one is started)
+    assert [i.node for i in out if isinstance(i, Cancel)] == ["n0"]
     (b,) = submits(out)
     assert b.keys == ("b",)
+    # to the winner's node, where a CPU and a worker are free (the loser's is stopped)
+    assert (b.node, b.soft) == ("n2", True) and "duplicate won" in b.placed
     # the original's late result is not taken
     assert s.handle(TaskFinished(first.group, {"a": 9.0}, 8, "n0")) == []
     s.validate_state()
@@ -1256,15 +1290,17 @@ def test_no_duplicate_while_work_waits_and_ready_work_preempts_duplicates():
     for k, t in (("a", 0.0), ("b", 4.8), ("x", 0.0)):
         s.handle(TaskStarted(subs[k].group, f"n-{k}", t))
     assert s.handle(Tick(5.0, {"n-d": 1})) == []  # no CPU idle: capacity is full
-    finish(s, subs["x"], 0.1)
-    (dup,) = submits(s.handle(Tick(5.0, {"n-x": 1})))  # ``b`` has run only 0.2 s
-    assert dup.duplicate_of == subs["a"].group and dup.node == "n-x"
+    # a slot is free and Ray last saw a CPU free on n-d: at once, no Tick needed
+    # (``b`` has run only 0.2 s: not long)
+    (dup,) = submits(finish(s, subs["x"], 0.1))
+    assert dup.duplicate_of == subs["a"].group and dup.node == "n-d"
     s.handle(CapacityChanged(2))
     out = finish(s, subs["b"], 0.1)  # ``d`` is ready: the duplicate makes room for it
     assert out[0] == Cancel(dup.group) and [sub.root for sub in submits(out)] == ["d"]
+    assert out[0].node == "n-d"
     assert s.used == 2
     finish(s, subs["a"], 6.0)
-    assert s.handle(TaskFinished(dup.group, {"a": 1.0}, 8, "n-x")) == []
+    assert s.handle(TaskFinished(dup.group, {"a": 1.0}, 8, "n-d")) == []
     s.validate_state()
 
 
@@ -1310,6 +1346,78 @@ def test_quantile_policy_uses_seeded_runtimes():
     (first,) = submits(s.start())
     s.handle(TaskStarted(first.group, "n0", 0.0))
     assert s.handle(Tick(50.0, {"n1": 1})) == []
+
+
+def test_known_long_category_is_duplicated_as_soon_as_a_cpu_frees():
+    """A category whose mean is past ``long-task`` needs no ``min-runtime``; the CPU a
+    finished copy frees is taken at once, without waiting for a Tick (Ray's view of
+    the free CPUs lags); the CPU a first copy starts on is not free any more."""
+    sp = Speculation(enabled=True, quantile=None, long_task=3.0, min_runtime=10.0)
+    deps = {"long-0": set(), "short-0": set(), "short-1": set()}
+    deps["total"] = set(deps)
+    seed = {"long": [9.0, 9.5]}
+    s = make(deps, ["total"], capacity=3, speculation=sp, seed_runtimes=seed)
+    subs = {sub.root: sub for sub in submits(s.start())}
+    assert set(subs) == {"long-0", "short-0", "short-1"}
+    assert s.handle(Tick(100.0, {"n0": 1, "n1": 1, "n2": 1})) == []  # none started yet
+    assert s.handle(TaskStarted(subs["short-0"].group, "n0", 100.0)) == []
+    assert s.handle(TaskStarted(subs["short-1"].group, "n1", 100.0)) == []
+    # the long one starts on n2: n0 and n1 took theirs (Ray's view was older)
+    assert s.handle(TaskStarted(subs["long-0"].group, "n2", 100.1)) == []
+    assert s.free == {"n0": 0, "n1": 0, "n2": 0}
+    out = s.handle(TaskFinished(subs["short-0"].group, {"short-0": 0.3}, 8, "n0", 100.0))
+    (dup,) = submits(out)  # 0.2 s into the long task: min-runtime does not apply
+    assert (dup.duplicate_of, dup.node) == (subs["long-0"].group, "n0")
+    assert s.free["n0"] == 0
+    s.validate_state()
+    assert s.handle(TaskFinished(subs["short-1"].group, {"short-1": 0.3}, 8, "n1", 100.1)) == []
+    s.validate_state()
+
+
+def test_no_duplicate_between_ticks_while_a_copy_has_not_said_where_it_runs():
+    """A first copy sent but not started may be bound for the CPU just freed: only a
+    Tick (Ray's own view of the free CPUs) may then place a duplicate."""
+    sp = Speculation(enabled=True, quantile=None, long_task=3.0, min_runtime=0.5)
+    deps = {"z-0": set(), "s-0": set(), "s-1": set(), "s-2": set()}
+    s = make(deps, list(deps), capacity=3, speculation=sp, seed_runtimes={"z": [9.0]})
+    subs = {sub.root: sub for sub in submits(s.start())}
+    assert set(subs) == {"z-0", "s-2", "s-1"}
+    s.handle(TaskStarted(subs["z-0"].group, "n2", 0.0))
+    s.handle(TaskStarted(subs["s-2"].group, "n0", 0.0))
+    s.handle(TaskStarted(subs["s-1"].group, "n1", 0.0))
+    out = s.handle(TaskFinished(subs["s-2"].group, {"s-2": 0.3}, 8, "n0", 0.0))
+    (nxt,) = submits(out)  # the last short one, not yet started: no duplicate
+    assert nxt.root == "s-0" and nxt.duplicate_of is None
+    assert s.handle(TaskFinished(subs["s-1"].group, {"s-1": 0.3}, 8, "n1", 0.0)) == []
+    (dup,) = submits(s.handle(Tick(0.5, {"n1": 1})))  # Ray says n1 is free
+    assert (dup.duplicate_of, dup.node) == (subs["z-0"].group, "n1")
+    s.validate_state()
+
+
+def test_task_on_a_slow_node_is_duplicated_at_once_elsewhere():
+    """Tasks ran five times their category's mean on ``nS``: the final task, started
+    there, is a straggler from its start (no min-runtime, no runtimes of its own
+    category): its duplicate goes to a free CPU of another node at once."""
+    sp = Speculation(enabled=True, quantile=None, long_task=None, min_runtime=10.0, slow_node=3.0)
+    deps = {f"s-{i}": set() for i in range(4)}
+    deps["total"] = set(deps)
+    s = make(deps, ["total"], capacity=3, speculation=sp, seed_runtimes={"s": [0.3] * 5})
+    a, b, c = submits(s.start())
+    for sub, node in ((a, "nS"), (b, "n0"), (c, "n1")):
+        assert s.handle(TaskStarted(sub.group, node, 0.0)) == []
+    (d,) = submits(s.handle(TaskFinished(a.group, {a.root: 1.5}, 8, "nS", 0.0)))
+    assert d.duplicate_of is None
+    assert s.handle(TaskStarted(d.group, "nS", 1.5)) == []
+    assert not s._slow("nS")  # one task is not a pace
+    assert s.handle(TaskFinished(b.group, {b.root: 0.3}, 8, "n0", 0.0)) == []
+    assert s.handle(TaskFinished(c.group, {c.root: 0.3}, 8, "n1", 0.0)) == []
+    (total,) = submits(s.handle(TaskFinished(d.group, {d.root: 1.5}, 8, "nS", 1.5)))
+    assert s._slow("nS") and not s._slow("n0") and not s._slow("n1")
+    (dup,) = submits(s.handle(TaskStarted(total.group, "nS", 3.0)))
+    assert dup.duplicate_of == total.group and dup.node in {"n0", "n1"}
+    s.validate_state()
+    out = s.handle(TaskFinished(dup.group, {"total": 0.1}, 8, dup.node, 3.01))
+    assert Cancel(total.group) in out and s.done
 
 
 def test_speculation_off_makes_no_duplicates():
