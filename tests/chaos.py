@@ -203,8 +203,8 @@ class RaydagLog(logging.Handler):
         would count that run as cut, and a completion as owed that never was.
         """
         order = sorted(deaths, key=lambda d: d.t_kill)
-        for d, later in zip(order, [*order[1:], None], strict=True):
-            d.cut |= self.cut(d.t_kill, math.inf if later is None else later.t_kill)
+        for i, d in enumerate(order):
+            d.cut |= self.cut(d.t_kill, order[i + 1].t_kill if i + 1 < len(order) else math.inf)
 
     def seen(self, death: Death) -> float | None:
         """When the driver noticed ``death``: it logs the death, then recovers."""
