@@ -441,16 +441,41 @@ class Runner:
         changed = nodes != self.nodes
         self.nodes = nodes
         self.gone |= dead
+        if dead and not self.ray_first:
+            self._take_notes(wait=2.0)
+            self._finish_ready()
         if dead:
             for node in dead:
                 logger.warning("raydag: node %s died", node[:12])
         if dead and not self.ray_first:
-            self._take_notes(wait=2.0)
             lost = self._lost()
             reason = "node died: " + ", ".join(sorted(n[:12] for n in dead))
             self._step(ResultsLost(tuple(lost), reason))
         if changed:
             self._step(CapacityChanged(slots(nodes)))
+
+    def _finish_ready(self) -> None:
+        """Before judging what a death lost: the groups whose results came in meanwhile.
+
+        A group that finished has read its inputs: those it alone still needed are
+        released, not lost, and the group is not reset and run again for nothing; a
+        result made on the dead node goes in the wave. Only successes: a failure (an
+        input lost, the node gone) waits for the main loop, after the wave, as before.
+        """
+        if not self.pending:
+            return
+        ready, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=0)
+        for ref in ready:
+            if ref not in self.pending:
+                continue
+            try:
+                outcome = ray.get(ref, timeout=0)
+            except Exception:
+                continue
+            if getattr(outcome, "error", True) is not None:
+                continue
+            for event in self._events(ref):
+                self._step(event)
 
     def _tick(self) -> None:
         """Tell the state machine which copies started where, the time and the idle CPUs."""

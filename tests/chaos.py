@@ -186,12 +186,25 @@ class RaydagLog(logging.Handler):
                 out.append(Wave(int(m[1]), int(m[2]), int(m[3]), m[4], t))
         return out
 
-    def cut(self, after: float) -> set[str]:
-        """Tasks the driver saw die with their node after ``after``: their results had not
-        reached it, even if the task noted its end just before the kill."""
+    def cut(self, after: float, before: float = math.inf) -> set[str]:
+        """Tasks the driver saw die with their node from ``after`` to ``before``: their
+        results had not reached it, even if the task noted its end just before the kill."""
         return {
-            m[1] or m[2] for t, msg in self.records if t >= after and (m := RETRY_RE.search(msg))
+            m[1] or m[2]
+            for t, msg in self.records
+            if after <= t < before and (m := RETRY_RE.search(msg))
         }
+
+    def note_cuts(self, deaths: Iterable[Death]) -> None:
+        """Each death's ``cut``: the retries logged from its kill to the next death's.
+
+        Not every retry logged after the kill: a task retried at a later death, matched
+        to an older run of it on this node (a run whose result did reach the driver),
+        would count that run as cut, and a completion as owed that never was.
+        """
+        order = sorted(deaths, key=lambda d: d.t_kill)
+        for i, d in enumerate(order):
+            d.cut |= self.cut(d.t_kill, order[i + 1].t_kill if i + 1 < len(order) else math.inf)
 
     def seen(self, death: Death) -> float | None:
         """When the driver noticed ``death``: it logs the death, then recovers."""
@@ -207,6 +220,9 @@ class Expected:
     lost: list[set] = field(default_factory=list)  # per death: lost values still needed
     recompute: list[set] = field(default_factory=list)  # per death: those and their inputs
     running: list[list[Run]] = field(default_factory=list)  # per death: runs it killed
+    # Runs on a dying node that noted their end, but whose result never reached the
+    # driver (Ray failed the task with its node): each must run again, like ``running``.
+    cut: list[Run] = field(default_factory=list)
     completions: Counter = field(default_factory=Counter)
 
     @property
@@ -235,21 +251,29 @@ def expected_recovery(
 
     One race the runs cannot settle: a task on the dead node may note its end and die
     before its result reaches the driver. ``death.cut`` names the tasks the driver
-    retried as running when the node died (from its log); their last run counts as cut.
+    retried as running when that node died (from its log, ``RaydagLog.note_cuts``).
+    The run the driver was waiting for is the latest to start on that node before the
+    node was dead and after the latest wave that reset the task (the result of a run
+    before that wave had reached the driver, or nothing would have reset it); if that
+    run noted its end, it counts as cut: it ran to its end, and then ran again.
     """
     done = list(done)
-    cut = []
-    for death in deaths:  # a result cut off on its way to the driver was never made
-        for label in death.cut:
-            there = [r for r in done if r.label == label and r.node == death.node]
-            r = max(there, key=lambda r: r.start, default=None)
-            if r is not None and r.end is not None and r.end < death.t_dead:
-                cut.append(r)
-                done[done.index(r)] = Run(r.label, r.node, r.pid, r.start, None)
     replay = _Replay(spec, set(outputs), done, dict(given or {}))
     exp = Expected(completions=replay.first_runs())
-    exp.completions.update(r.label for r in cut)  # their run ended, then ran again
-    for death in deaths:
+    for death in sorted(deaths, key=lambda d: d.t_kill):
+        for label in sorted(death.cut):  # a result cut off on its way to the driver
+            there = [
+                r
+                for r in done
+                if r.label == label
+                and r.node == death.node
+                and replay.since[label] < r.start < death.t_dead
+            ]
+            r = max(there, key=lambda r: r.start, default=None)
+            if r is not None and r.end is not None and r.end < death.t_dead:
+                exp.cut.append(r)
+                exp.completions[label] += 1
+                done[done.index(r)] = Run(r.label, r.node, r.pid, r.start, None)
         if death.t_seen is None:  # the compute never noticed: nothing to expect
             continue
         lost, recompute = replay.death(death)

@@ -134,7 +134,7 @@ def check_recovery(
     for d in deaths:
         if d.t_seen is None:
             d.t_seen = rlog.seen(d)
-        d.cut |= rlog.cut(d.t_kill)
+    rlog.note_cuts(deaths)
     done = runs(log, since)
     exp = expected_recovery(spec, outputs, done, deaths, given)
     waves = rlog.waves()
