@@ -596,14 +596,16 @@ class Runner:
             logger.warning("raydag: the node for a copy of %r is gone", sub.root)
             return [TaskErred(sub.group, sub.root, e, node_lost=True)]
         except NODE_DIED as e:
-            logger.warning("raydag: the node running %r died; retrying it", sub.root)
+            logger.warning("raydag: the node running %r died; retrying it%s", sub.root, _with(sub))
             self._watch_cluster()
             return [TaskErred(sub.group, sub.root, e, node_lost=True)]
         except WORKER_DIED as e:
             if isinstance(e, rex.RayTaskError):  # e.g. RaySystemError: cannot unpickle the
                 cause = e.cause if isinstance(e.cause, BaseException) else e  # task: no retry
                 return [TaskErred(sub.group, sub.root, cause)]
-            logger.warning("raydag: %r lost its worker process (%s)", sub.root, type(e).__name__)
+            logger.warning(
+                "raydag: %r lost its worker process (%s)%s", sub.root, type(e).__name__, _with(sub)
+            )
             return [TaskErred(sub.group, sub.root, e, retryable=True)]
         except INPUT_LOST as e:
             logger.warning("raydag: an input of %r is lost (%s)", sub.root, type(e).__name__)
@@ -760,6 +762,12 @@ class Runner:
             s["finished"].add(k)
             for f in self.posttask:
                 f(k, None, self.graph.tasks, s, outcome.pid)
+
+
+def _with(sub: Submit) -> str:
+    """The other tasks of a retried group: they run again too (their values never left)."""
+    others = [k for k in sub.keys if k != sub.root]
+    return f" (with {', '.join(map(repr, others))} in its Ray task)" if others else ""
 
 
 def _dask_state(graph: Graph) -> dict:

@@ -158,7 +158,10 @@ WAVE_RE = re.compile(r"recovery wave (\d+): (\d+) lost results, (\d+) tasks to r
 DIED_RE = re.compile(r"raydag: node (\w+) died")
 
 
-RETRY_RE = re.compile(r"raydag: (?:the node running '(.+)' died|'(.+)' lost its worker process)")
+RETRY_RE = re.compile(
+    r"raydag: (?:the node running '([^']+)' died|'([^']+)' lost its worker process)"
+    r"(?:.* \(with (.+) in its Ray task\))?"
+)
 
 
 class RaydagLog(logging.Handler):
@@ -188,12 +191,15 @@ class RaydagLog(logging.Handler):
 
     def cut(self, after: float, before: float = math.inf) -> set[str]:
         """Tasks the driver saw die with their node from ``after`` to ``before``: their
-        results had not reached it, even if the task noted its end just before the kill."""
-        return {
-            m[1] or m[2]
-            for t, msg in self.records
-            if after <= t < before and (m := RETRY_RE.search(msg))
-        }
+        results had not reached it, even if the task noted its end just before the kill.
+        A group's other tasks, which the driver names with its root, too: they run again
+        with it (a member that noted its end in the group's task made no value)."""
+        out: set[str] = set()
+        for t, msg in self.records:
+            if after <= t < before and (m := RETRY_RE.search(msg)):
+                out.add(m[1] or m[2])
+                out.update(re.findall(r"'([^']+)'", m[3] or ""))
+        return out
 
     def note_cuts(self, deaths: Iterable[Death]) -> None:
         """Each death's ``cut``: the retries logged from its kill to the next death's.

@@ -69,3 +69,25 @@ def test_a_run_reset_by_a_wave_is_not_the_one_retried():
     assert exp.lost == [{"b"}, set()]
     assert exp.recompute == [{"a", "b"}, set()]
     assert exp.completions == {"a": 2, "b": 2, "c": 1}
+
+
+def test_a_fused_member_that_ended_in_its_groups_task_is_cut_with_it():
+    # a and b ran as one Ray task on B (b read a inside it): B died after a noted its
+    # end, while b ran. The driver names the group's root and its other tasks: a
+    # made no value (it never left the task), so it runs again with b.
+    done = [
+        Run("a", "B", 3, 1.0, 2.0),
+        Run("b", "B", 3, 2.0, None),  # killed with B
+        Run("a", "C", 1, 6.0, 7.0),
+        Run("b", "C", 1, 7.0, 8.0),
+        Run("c", "C", 1, 8.0, 9.0),
+    ]
+    deaths = [Death("B", 3.0, 3.1)]
+    records = [
+        (3.05, "raydag: the node running 'b' died; retrying it (with 'a' in its Ray task)"),
+        died(4.0, "B"),
+    ]
+    exp, _ = oracle(done, deaths, records)
+    assert deaths[0].cut == {"a", "b"}
+    assert [(r.label, r.node) for r in exp.cut] == [("a", "B")]
+    assert exp.completions == {"a": 2, "b": 1, "c": 1}
