@@ -841,11 +841,12 @@ class State:
             heapq.heappop(heap)
             keys = self._fuse(key)
             returns = self._bundle_returns(keys)
-            consumers = () if returns else self._consumers(keys)
+            bundle = bool(returns)
+            consumers = () if bundle else self._consumers(keys)
             if consumers:
                 keys += consumers
                 returns = consumers if len(consumers) > 1 else ()
-            if len(keys) > 1 and not self._bundle_returns(keys):
+            if len(keys) > 1 and not bundle:
                 estimates = [self.estimate(k) for k in keys]
                 total = None if None in estimates else sum(estimates)
                 fused = self._cost(key, total)
