@@ -47,7 +47,7 @@ def tests(session: nox.Session) -> None:
     session.run(
         "python", "-c", "import dask, ray; print('dask', dask.__version__, 'ray', ray.__version__)"
     )
-    session.run("pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "--durations=15", *session.posargs)
 
 
 @nox.session
@@ -56,7 +56,7 @@ def tests_hep(session: nox.Session) -> None:
     session.install("-e", ".[test,hep]")
     ensure_chromium(session)
     session.run("python", "-c", "import dask, dask_awkward; print('dask', dask.__version__)")
-    session.run("pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "--durations=15", *session.posargs)
 
 
 @nox.session
