@@ -20,7 +20,9 @@ Contenders (each builds its collections under its own settings):
 | ``distributed p2p``  | LocalCluster       | ``p2p`` (2 worker processes x 1 thread)     |
 
 With ``--in-flight 2`` (the default), both raydag contenders also run with two Ray
-tasks in flight per CPU instead of raydag's default one.
+tasks in flight per CPU instead of raydag's default one. With ``--inputs-per-map 1``
+(the default), raydag's shuffle also runs with one input partition per map (as before
+maps read several: 4,096 pieces at 64 partitions instead of 1,024).
 
 Columns: wall seconds (median of ``--repeats``), tasks in the graph handed to the
 scheduler (and Ray tasks submitted, for raydag), peak memory: the object stores'
@@ -97,10 +99,15 @@ def workloads(rows: int, parts: int) -> dict[str, Callable[[], dd.DataFrame]]:
 
 
 @contextlib.contextmanager
-def raydag_shuffle(in_flight: float = 1.0) -> Iterator[dict]:
+def raydag_shuffle(in_flight: float = 1.0, per_map: int | str = "auto") -> Iterator[dict]:
     with (
         raydag.shuffle.enable(),
-        dask.config.set({"raydag.scheduling.in-flight-per-cpu": in_flight}),
+        dask.config.set(
+            {
+                "raydag.scheduling.in-flight-per-cpu": in_flight,
+                "raydag.shuffle.inputs-per-map": per_map,
+            }
+        ),
     ):
         yield {"scheduler": raydag.ray_get}
 
@@ -221,6 +228,14 @@ def main() -> None:
         default=[2.0],
         help="also run both raydag contenders with these raydag.scheduling.in-flight-per-cpu",
     )
+    p.add_argument(
+        "--inputs-per-map",
+        nargs="*",
+        type=int,
+        default=[1],
+        help="also run raydag's shuffle with this raydag.shuffle.inputs-per-map (1: the "
+        "shuffle before maps read several inputs)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -242,6 +257,9 @@ def main() -> None:
     for f in args.in_flight:  # raydag's Ray tasks in flight per CPU (default 1)
         contenders[f"raydag, {f:g} per CPU"] = (functools.partial(raydag_shuffle, f), True)
         contenders[f"raydag tasks, {f:g} per CPU"] = (functools.partial(raydag_tasks, f), True)
+    for k in args.inputs_per_map:
+        label = f"raydag, {k} input{'s' if k > 1 else ''} per map"
+        contenders[label] = (functools.partial(raydag_shuffle, 1.0, k), True)
     if args.only:
         contenders = {k: v for k, v in contenders.items() if k in args.only}
     small = workloads(args.rows // 20, args.partitions)

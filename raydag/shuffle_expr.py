@@ -11,7 +11,7 @@ from typing import Any
 from dask._task_spec import List, Task, TaskRef
 from dask.dataframe.dask_expr._shuffle import SimpleShuffle
 
-from raydag.shuffle import MAP, PIECE, concat, piece, split
+from raydag.shuffle import MAP, PIECE, concat, inputs_per_map, piece, split
 
 
 class RaydagShuffle(SimpleShuffle):
@@ -29,23 +29,26 @@ class RaydagShuffle(SimpleShuffle):
         nout = self.npartitions_out
         meta = self.frame._meta
         columns = tuple(meta.columns) if hasattr(meta, "columns") else None
+        per = inputs_per_map(nin, nout)
+        nmaps = -(-nin // per)
         dsk: dict = {}
-        for i in range(nin):
+        for i in range(nmaps):
             key = (maps, i)
+            ins = range(i * per, min(nin, (i + 1) * per))
             dsk[key] = Task(
                 key,
                 split,
-                TaskRef((self.frame._name, i)),
+                List(*(TaskRef((self.frame._name, n)) for n in ins)),
                 self.partitioning_index,
                 nout,
                 self.ignore_index,
                 columns,
-                (name, i),
+                (name, ins[0]),
             )
         for out, j in enumerate(self._partitions):
-            for i in range(nin):
+            for i in range(nmaps):
                 k = (pieces, j, i)
                 dsk[k] = Task(k, piece, TaskRef((maps, i)), j)
-            refs = List(*(TaskRef((pieces, j, i)) for i in range(nin)))
+            refs = List(*(TaskRef((pieces, j, i)) for i in range(nmaps)))
             dsk[(name, out)] = Task((name, out), concat, refs, self.ignore_index)
         return dsk

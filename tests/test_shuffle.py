@@ -134,12 +134,16 @@ OPERATIONS = {
 }
 
 
+@pytest.mark.parametrize("per_map", [1, 4], ids=["1-input-per-map", "4-inputs-per-map"])
 @pytest.mark.parametrize("name", list(OPERATIONS))
-def test_operation_equals_pandas(name, assert_store_empty):
+def test_operation_equals_pandas(name, per_map, assert_store_empty):
+    """Also with maps reading 4 inputs each: of 6 partitions, a map of 4 and one of 2."""
     build, expect, norm = OPERATIONS[name]
     pdf = frame()
     ddf = dd.from_pandas(pdf, npartitions=6)
-    result = build(ddf)
+    with dask.config.set({"raydag.shuffle.inputs-per-map": per_map}):
+        result = build(ddf)
+        result.__dask_graph__()  # lowered now, under the setting
     assert uses_raydag_shuffle(result), "the operation did not use raydag's shuffle"
     expected = norm(expect(pdf))
     got = result.compute(scheduler=raydag.ray_get)
@@ -183,6 +187,48 @@ def test_map_and_its_pieces_are_one_ray_task_each_piece_an_object(assert_store_e
     bundle = submitted[submitted.group.isin(with_map)]
     assert bundle.groupby("group").size().eq(1 + m).all(), "a map runs with all its pieces"
     assert_store_empty()
+
+
+def test_maps_read_consecutive_inputs_when_pieces_would_be_many(assert_store_empty):
+    """k inputs per map: ceil(N/k) maps of M pieces each; rows keep their input order."""
+    n, m, k = 8, 5, 3
+    pdf = frame(6000, nkeys=40)
+    ddf = dd.from_pandas(pdf, npartitions=n)
+    with dask.config.set({"raydag.shuffle.inputs-per-map": k}):
+        x = ddf.shuffle("k", npartitions=m)
+        graph = dict(x.__dask_graph__())
+    maps = [g for g in graph if isinstance(g, tuple) and g[0].startswith(MAP)]
+    pieces = [g for g in graph if isinstance(g, tuple) and g[0].startswith(PIECE)]
+    assert (len(maps), len(pieces)) == (3, 3 * m)
+    got = x.compute(scheduler=raydag.ray_get)
+    pd.testing.assert_frame_equal(by(got, ["i"]), pdf)
+    for part in x.to_delayed():  # within a key, rows in input (row id) order
+        p = part.compute(scheduler=raydag.ray_get)
+        assert p.groupby("k").i.apply(lambda s: s.is_monotonic_increasing).all()
+    assert_store_empty()
+
+
+def test_inputs_per_map_auto(monkeypatch):
+    """auto: one input per map until maps x outputs pass max-pieces, then as few more
+    as keep them under it, with at least two maps per cluster CPU."""
+    from raydag.shuffle import inputs_per_map
+
+    for cpus, nin, nout, want in [
+        (0, 12, 10, 1),  # 120 pieces: one input per map
+        (0, 64, 64, 4),  # 4,096 pieces: 16 maps, 1,024 pieces
+        (2, 64, 64, 4),
+        (16, 64, 64, 2),  # 32 maps at least
+        (64, 64, 64, 1),
+        (0, 100, 100, 10),
+        (0, 3, 5000, 3),  # never more than the inputs
+    ]:
+        monkeypatch.setattr(raydag.shuffle, "_cluster_cpus", lambda c=cpus: c)
+        assert inputs_per_map(nin, nout) == want, (cpus, nin, nout)
+    with dask.config.set({"raydag.shuffle.max-pieces": 100}):
+        assert inputs_per_map(12, 10) == 2
+    with dask.config.set({"raydag.shuffle.inputs-per-map": 5}):
+        assert inputs_per_map(64, 64) == 5
+        assert inputs_per_map(3, 64) == 3
 
 
 def test_partitions_differ_in_and_out_and_empty_partitions():
