@@ -111,13 +111,21 @@ def inputs_per_map(nin: int, nout: int) -> int:
     """
     value = config.get("shuffle.inputs-per-map")
     if value != "auto":
-        return max(1, min(int(value), nin))
-    budget = max(1, int(config.get("shuffle.max-pieces")))
+        return min(_positive("shuffle.inputs-per-map", value, "'auto' or "), nin)
+    budget = _positive("shuffle.max-pieces", config.get("shuffle.max-pieces"))
     per = max(1, -(-nin * nout // budget))
     cpus = _cluster_cpus()
     if cpus:
         per = min(per, max(1, nin // (2 * cpus)))
     return max(1, min(per, nin))
+
+
+def _positive(name: str, value: Any, also: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str) or not str(value).isdigit():
+        raise ValueError(f"raydag.{name} must be {also}a positive integer, not {value!r}")
+    if int(value) < 1:
+        raise ValueError(f"raydag.{name} must be {also}a positive integer, not {value!r}")
+    return int(value)
 
 
 def _cluster_cpus() -> int:

@@ -229,6 +229,14 @@ def test_inputs_per_map_auto(monkeypatch):
     with dask.config.set({"raydag.shuffle.inputs-per-map": 5}):
         assert inputs_per_map(64, 64) == 5
         assert inputs_per_map(3, 64) == 3
+    with dask.config.set({"raydag.shuffle.inputs-per-map": "7"}):  # from YAML or env
+        assert inputs_per_map(64, 64) == 7
+    for key, bad in [("inputs-per-map", 0), ("inputs-per-map", "many"), ("max-pieces", -5)]:
+        with (
+            dask.config.set({f"raydag.shuffle.{key}": bad}),
+            pytest.raises(ValueError, match=f"raydag.shuffle.{key} must be .*positive integer"),
+        ):
+            inputs_per_map(64, 64)
 
 
 def test_partitions_differ_in_and_out_and_empty_partitions():
