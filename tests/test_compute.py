@@ -59,7 +59,10 @@ def in_worker():
 
 
 def _read(i):
-    time.sleep(0.02)
+    # long beside its consumers even on a loaded machine: they join while they take
+    # at most half its runtime (a histogram of 200k values takes 2-5 ms, 10x that at
+    # load 30 on 2 cores)
+    time.sleep(0.1)
     return np.full(200_000, float(i))  # 1.6 MB: through the object store if it leaves
 
 
