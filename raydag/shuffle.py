@@ -121,9 +121,7 @@ def inputs_per_map(nin: int, nout: int) -> int:
 
 
 def _positive(name: str, value: Any, also: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, int | str) or not str(value).isdigit():
-        raise ValueError(f"raydag.{name} must be {also}a positive integer, not {value!r}")
-    if int(value) < 1:
+    if isinstance(value, bool) or not str(value).isdigit() or int(value) < 1:
         raise ValueError(f"raydag.{name} must be {also}a positive integer, not {value!r}")
     return int(value)
 
