@@ -117,7 +117,7 @@ def inputs_per_map(nin: int, nout: int) -> int:
     cpus = _cluster_cpus()
     if cpus:
         per = min(per, max(1, nin // (2 * cpus)))
-    return max(1, min(per, nin))
+    return min(per, nin)
 
 
 def _positive(name: str, value: Any, also: str = "") -> int:
