@@ -38,6 +38,7 @@ class StoreStats:
     num_objects: int  # num_local_objects
     primary_bytes: int = 0  # object_store_bytes_primary_copy: owned copies, not evictable
     fallback_bytes: int = 0  # object_store_bytes_fallback: overflow mmapped from disk
+    primary_objects: int = 0  # num_object_store_primary_copies: not the evictable caches
 
     @property
     def free_bytes(self) -> int:
@@ -56,6 +57,7 @@ class StoreStats:
             num_objects=int(s.num_local_objects),
             primary_bytes=int(s.object_store_bytes_primary_copy),
             fallback_bytes=int(s.object_store_bytes_fallback),
+            primary_objects=int(s.num_object_store_primary_copies),
         )
 
 

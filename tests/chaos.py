@@ -33,7 +33,7 @@ import ray
 from dask._task_spec import Task, TaskRef
 from harness import MultiNodeCluster
 
-from raydag.stores import store_stats
+from raydag.stores import StoreStats, store_stats
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 MiB = 2**20
@@ -495,7 +495,7 @@ def assert_stores_empty(timeout: float = 5.0, orphan_timeout: float = 30.0) -> N
     while (pinned := _new_pinned()) and time.monotonic() < t0 + orphan_timeout:
         time.sleep(0.5)
     if pinned:
-        _orphans.update({node: s.primary_bytes for node, s in store_stats().items()})
+        _orphans.update(store_stats())
     logging.getLogger(__name__).warning(
         "%d bytes were pinned in the object stores with no reference in any process; "
         "%s after %.1f s more",
@@ -505,14 +505,24 @@ def assert_stores_empty(timeout: float = 5.0, orphan_timeout: float = 30.0) -> N
     )
 
 
-# node -> bytes a raylet kept pinned with no reference anywhere (see assert_stores_empty)
-_orphans: dict[str, int] = {}
+# node -> its store when a raylet was found keeping copies with no reference anywhere
+# (see assert_stores_empty): those copies are not counted again
+_orphans: dict[str, StoreStats] = {}
 
 
 def _new_pinned() -> int:
     """Pinned bytes in the stores, beyond the raylets' own unreferenced copies."""
+    none = StoreStats(0, 0, 0, 0)
     stats = store_stats().items()
-    return sum(max(0, s.primary_bytes - _orphans.get(node, 0)) for node, s in stats)
+    return sum(max(0, s.primary_bytes - _orphans.get(n, none).primary_bytes) for n, s in stats)
+
+
+def primary_objects() -> int:
+    """Primary copies in the stores (what some owner pins, not the evictable caches a
+    node keeps of objects it fetched), beyond the raylets' own unreferenced copies."""
+    none = StoreStats(0, 0, 0, 0)
+    stats = store_stats().items()
+    return sum(max(0, s.primary_objects - _orphans.get(n, none).primary_objects) for n, s in stats)
 
 
 def references() -> list[dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -68,6 +69,30 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("cluster") is not None)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Once a failure is reported, let go of its frames' locals: a failed test's
+    traceback would otherwise keep its ObjectRefs (and their objects) alive into the
+    next tests on the same cluster, which then fail on a store that is not empty."""
+    yield
+    if call.excinfo is not None and not item.config.getoption("usepdb", False):
+        _drop_locals(call.excinfo.value)
+
+
+def _drop_locals(error: BaseException | None) -> None:
+    """Clear the finished frames of ``error``'s traceback and of the errors it chains."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        tb = error.__traceback__
+        while tb is not None:
+            with contextlib.suppress(RuntimeError):  # a frame still running: pytest's own
+                tb.tb_frame.clear()
+                tb.tb_frame.f_locals  # noqa: B018 (Python < 3.13 keeps a copy: re-sync it)
+            tb = tb.tb_next
+        error = error.__cause__ or error.__context__
+
+
 def store_objects() -> tuple[int, int]:
     """(objects, bytes) in the object stores of all alive nodes."""
     try:
@@ -88,6 +113,12 @@ def _describe_leftovers() -> str:
         s = node_stats(n["NodeManagerAddress"], n["NodeManagerPort"], include_memory_info=True)
         lines.append(str(s.store_stats).replace("\n", "; "))
         for w in s.core_workers_stats:
+            if w.num_running_tasks or w.used_resources:
+                used = {
+                    k: sum(x.allocation for x in v.resource_slots)
+                    for k, v in w.used_resources.items()
+                }
+                lines.append(f"  pid {w.pid}: {w.num_running_tasks} running, using {used}")
             for r in w.object_refs:
                 if r.object_size > 0 or r.pinned_in_memory:
                     lines.append(
@@ -116,6 +147,12 @@ def assert_store_empty(ray_cluster):
             time.sleep(0.02)
 
     return check
+
+
+@pytest.fixture
+def describe_leftovers(ray_cluster):
+    """What the stores and the workers hold now, for a failure message."""
+    return _describe_leftovers
 
 
 @pytest.fixture
