@@ -51,9 +51,15 @@ def free_ports(n: int) -> list[int]:
 
 
 def free_range(width: int) -> int:
-    """The first port of ``width`` consecutive free ports (for Ray's worker ports)."""
+    """The first port of ``width`` consecutive free ports (for Ray's worker ports),
+    below the kernel's ephemeral range: ``free_ports``'s ports, like every outgoing
+    connection's, come from that range, and once collided with this one."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except OSError:
+        low = 32768
     for _ in range(200):
-        base = secrets.randbelow(20000) + 30000
+        base = secrets.randbelow(low - 10000 - width) + 10000
         try:
             for p in range(base, base + width):
                 with socket.socket() as s:
