@@ -512,17 +512,19 @@ _orphans: dict[str, StoreStats] = {}
 
 def _new_pinned() -> int:
     """Pinned bytes in the stores, beyond the raylets' own unreferenced copies."""
-    none = StoreStats(0, 0, 0, 0)
-    stats = store_stats().items()
-    return sum(max(0, s.primary_bytes - _orphans.get(n, none).primary_bytes) for n, s in stats)
+    return _beyond_orphans("primary_bytes")
 
 
 def primary_objects() -> int:
     """Primary copies in the stores (what some owner pins, not the evictable caches a
     node keeps of objects it fetched), beyond the raylets' own unreferenced copies."""
+    return _beyond_orphans("primary_objects")
+
+
+def _beyond_orphans(field: str) -> int:
     none = StoreStats(0, 0, 0, 0)
     stats = store_stats().items()
-    return sum(max(0, s.primary_objects - _orphans.get(n, none).primary_objects) for n, s in stats)
+    return sum(max(0, getattr(s, field) - getattr(_orphans.get(n, none), field)) for n, s in stats)
 
 
 def references() -> list[dict]:
