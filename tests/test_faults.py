@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 import signal
@@ -416,17 +417,26 @@ def test_node_added_mid_run(cluster, logs, rlog):
     done = runs(log)
     on_new = [r.label for r in done if r.node == new.node_id and r.label.startswith("part-")]
     assert on_new, "no part ran on the node added mid-run"
-    events = sorted([(r.start, 1) for r in done] + [(r.end, -1) for r in done])
-    running = peak = 0
-    for _, step in events:
-        running += step
-        peak = max(peak, running)
-    assert peak >= 4, f"at most {peak} tasks ran at once with 4 one-CPU nodes"
+    # Added capacity, not a swap: some part on the new node ran alongside parts on every
+    # other node. Judged per part, not at one instant: each slot idles for a driver round
+    # trip between its parts, so on a loaded machine all four may never be busy together.
+    died = _dead_nodes() - dead_before
+    width = max(
+        len(
+            {
+                s.node
+                for s in done
+                if s.start < (r.end or math.inf) and (s.end or math.inf) > r.start
+            }
+        )
+        for r in done
+        if r.node == new.node_id
+    )
+    assert width >= 4 - len(died), f"a part on the new node ran beside {width - 1} nodes"
     # The harness's health checks notice a crash in about 1.5 s, so a loaded machine
     # can get a live node declared dead (seen once: a node that had just joined and
     # taken part-80 was marked dead and its raylet ended). Then only the tasks that
     # ran on such nodes may run again, in at most one wave per death.
-    died = _dead_nodes() - dead_before
     made = completions(log)
     if died:
         logging.getLogger(__name__).warning("nodes died during the test: %s", died)
