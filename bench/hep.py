@@ -7,6 +7,7 @@ parquet written with dask_awkward.to_parquet, a hist.dask histogram) run by
   raydag            dask.compute(..., scheduler=raydag.ray_get)
   ray_dask_get      dask.compute(..., scheduler=ray.util.dask.ray_dask_get), Ray's incumbent
   dask threads      dask.compute(..., scheduler="threads")
+  dask sync         dask.compute(..., scheduler="sync"): the work alone, on one core
   coffea futures    processor.Runner(FuturesExecutor(workers=CPUs)): coffea's own local pool
   coffea RayExecutor processor.Runner(raydag.coffea.RayExecutor())
 
@@ -118,6 +119,8 @@ CONTENDERS = {
     "raydag": dask_contender(raydag.ray_get),
     "ray_dask_get": dask_contender(ray_dask_get),
     "dask threads": dask_contender("threads"),
+    # one process, one task at a time, nothing else running: the work itself
+    "dask sync": dask_contender("sync"),
     "coffea futures": runner_contender(
         lambda: processor.FuturesExecutor(workers=CPUS, status=False)
     ),
@@ -180,10 +183,12 @@ def skim_table(rows: list[dict]) -> str:
             ]
         )
     work = statistics.median(r["task_seconds"] for r in by["raydag"])
+    alone = statistics.median(r["seconds"] for r in by["dask sync"])
     bound = (
-        f"\nwork: {work:.3f} s of task execution (raydag's record, median over runs); on "
-        f"{CPUS} CPUs no scheduler can take less than {work / CPUS:.3f} s, "
-        f"{base / (work / CPUS):.2f}x ray_dask_get's median"
+        f"\nwork: {work:.3f} s of task execution in raydag's workers (its record, median); "
+        f"{alone:.3f} s for the whole skim in one process (sync). On {CPUS} CPUs no "
+        f"scheduler can take less than {alone / CPUS:.3f} s, "
+        f"{base / (alone / CPUS):.2f}x ray_dask_get's median"
     )
     return (
         bound
