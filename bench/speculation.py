@@ -47,6 +47,8 @@ from test_speculation import graph, runs  # noqa: E402
 import raydag  # noqa: E402
 
 SLOWDOWN = 5.0
+SLOW_ENV = {"RAYDAG_TEST_SLOWDOWN": str(SLOWDOWN)}
+slowed: set[str] = set()  # the slowed node's id; a replacement of it is slowed too
 SETTINGS = {
     "raydag.speculation.quantile": 0.9,
     "raydag.speculation.min-samples": 5,
@@ -113,6 +115,9 @@ def run(
     done = threading.Event()
     watcher = threading.Thread(target=chaos, daemon=True) if kill_at is not None else None
     cfg = {**SETTINGS, "raydag.speculation.enabled": on, "raydag.speculation.seed": seed}
+    if any(slow for _, slow, _ in spec.values()):
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        assert slowed & alive, "no slowed node in the cluster"
     warm()
     with dask.config.set(cfg):
         if watcher is not None:
@@ -129,8 +134,12 @@ def run(
     long = sorted(k for k in spec if k.startswith("long-"))[0]
     longs = sorted(t for k, lab, _, t in rs if k == "start" and lab == long)
     s = rec.summary()
-    if killed:
-        c.add_node()
+    if killed:  # (b) may kill the slowed node: (a) must still have one afterwards
+        was_slowed = killed[0] in slowed
+        new = c.add_node(env_vars=SLOW_ENV if was_slowed else None)
+        if was_slowed:
+            slowed.clear()
+            slowed.add(new.node_id)
     return {
         "makespan": span,
         "wall": wall,
@@ -157,7 +166,7 @@ def main() -> None:
     args = ap.parse_args()
     cpus = 3
     with MultiNodeCluster(nodes=2) as c:
-        c.add_node(env_vars={"RAYDAG_TEST_SLOWDOWN": str(SLOWDOWN)})
+        slowed.add(c.add_node(env_vars=SLOW_ENV).node_id)
         graph_desc = (
             f"{args.short} tasks of 0.1-0.5 s, {args.long} of 5-10 s (category 'long'), "
             "1 final task reading all"
