@@ -311,7 +311,8 @@ class Speculation:
     A node is *slow* once tasks finished there (at least two, of categories with
     ``min_samples`` runtimes) took a median of ``slow_node`` times their category's
     mean: a copy running there is a straggler from its start, and no duplicate is
-    sent there. ``None``: off.
+    sent there. While a node is slow, or a first copy has run ``slow_node`` times its
+    category's mean, a ready task of a category known long goes first. ``None``: off.
     """
 
     enabled: bool = False
@@ -429,6 +430,9 @@ class State:
         self.waiters = {k: len(v) for k, v in self.dependents.items()}
         # (tier, priority, seq, key): tier 0 is recovery, ahead of everything else
         self.ready: list[tuple[int, int, int, Key]] = []
+        # the ready tasks of categories known long, also in the heaps above: they go
+        # first while the cluster is short-handed (see ``_short_handed``)
+        self.ready_long: list[tuple[int, int, int, Key]] = []
         self.recovering: set = set()
         self.wave = 0
         self.where: dict[Key, str | None] = {}  # node holding each value in memory
@@ -580,6 +584,8 @@ class State:
         entry = (tier, self.priorities[key], self._seq, key)
         source = self.dependencies[key] <= self.available  # reads no intermediate
         heapq.heappush(self.ready_sources if source else self.ready, entry)
+        if self._known_long(key):
+            heapq.heappush(self.ready_long, entry)
 
     def _release(self, key: Key, out: list[Instruction]) -> None:
         self.state[key] = RELEASED
@@ -643,7 +649,10 @@ class State:
                     if pace is not None and r.count >= self.speculation.min_samples and r.mean:
                         pace.append(ev.durations[m] / r.mean)
                         del pace[: -self.PACE]
+                    was_long = self._known_long(m)
                     r.add(ev.durations[m])
+                    if not was_long and self._known_long(m):
+                        self._index_long(cat)
             for dep in self.dependencies[m]:
                 if dep in group.members:
                     continue
@@ -824,6 +833,7 @@ class State:
         self.used = 0.0
         self.ready.clear()
         self.ready_sources.clear()
+        self.ready_long.clear()
         for k, s in self.state.items():
             if s == MEMORY:
                 self._release(k, out)
@@ -871,9 +881,15 @@ class State:
     def _next_ready(self) -> list | None:
         """The heap whose top runs next: by priority, but consumers first while a store
         is full (what they read is freed when they finish; a source only adds)."""
-        for h in (self.ready, self.ready_sources):
+        for h in (self.ready, self.ready_sources, self.ready_long):
             while h and self.state[h[0][-1]] != READY:  # fused into a group, or input lost
                 heapq.heappop(h)
+        while self.ready_long and not self._known_long(self.ready_long[0][-1]):
+            heapq.heappop(self.ready_long)  # its category's mean fell below long-task
+        if self.ready_long and self._short_handed():
+            tops = [h[0] for h in (self.ready, self.ready_sources) if h]
+            if self.ready_long[0][0] <= min(tops)[0]:  # never ahead of a recovery wave
+                return self.ready_long
         if not self.ready_sources:
             return self.ready or None
         if not self.ready:
@@ -1087,6 +1103,44 @@ class State:
             return False
         s = sorted(pace)
         return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2 >= factor
+
+    def _known_long(self, key: Key) -> bool:
+        """Is the key's category known long (its mean runtime at least ``long_task``)?"""
+        sp = self.speculation
+        if not sp.enabled or sp.long_task is None or sp.slow_node is None:
+            return False
+        r = self.runtimes.get(self.category(key))
+        return r is not None and r.count > 0 and r.mean >= sp.long_task
+
+    def _index_long(self, cat: str) -> None:
+        """A category just became known long: its ready tasks join ``ready_long``."""
+        for entry in (*self.ready, *self.ready_sources):
+            key = entry[-1]
+            if self.state[key] == READY and self.category(key) == cat:
+                heapq.heappush(self.ready_long, entry)
+
+    def _short_handed(self) -> bool:
+        """Is a node slow, or a first copy running ``slow_node`` times its category's mean?
+
+        Then the cluster does less than it seemed, and a task known long started last
+        (dask's order puts it anywhere) would start late: it goes next instead. Without
+        a straggler it keeps its place: started early, it would hold a CPU that its
+        duplicate could only get once the other tasks are done.
+        """
+        factor, sp = self.speculation.slow_node, self.speculation
+        if factor is None:
+            return False
+        if any(self._slow(n) for n in self.pace if n in self.free):  # alive, by the Tick
+            return True
+        for g in self.groups.values():
+            r = self.runtimes.get(self.category(g.lead))
+            if r is None or len(r.samples) < sp.min_samples or not r.mean:
+                continue
+            late = self.now - factor * r.mean  # a first copy started by then straggles
+            for c in g.copies.values():
+                if not c.duplicate and c.started is not None and c.started <= late:
+                    return True
+        return False
 
     def _cpus(self, group: Group) -> float:
         return float((self.resources.get(group.lead) or {}).get("CPU", 1))

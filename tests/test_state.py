@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from collections.abc import Callable
 
 import pytest
@@ -497,6 +498,10 @@ class Driver:
         """Recovery first, then priority."""
         return (key not in self.recovering, self.sc.priorities[key])
 
+    def _boosted(self, key) -> bool:
+        """May this task go before its priority says (speculation: see ``SpecDriver``)?"""
+        return False
+
     def _ready(self) -> set:
         return {
             k
@@ -523,8 +528,15 @@ class Driver:
         ready = self._ready()
         if ready:
             head = min(ready, key=self._rank)
+            boosted = [k for k in ready if self._boosted(k)]
+            if boosted and self._rank(min(boosted, key=self._rank))[0] <= self._rank(head)[0]:
+                head = min(boosted, key=self._rank)  # never ahead of a recovery wave
             for sub in new:  # recovery, then higher priority, first: nothing better waits
-                assert self._rank(sub.keys[0]) < self._rank(head), (sub, head)
+                k = sub.keys[0]
+                if not self._boosted(k):
+                    assert self._rank(k) < self._rank(head), (sub, head)
+                else:  # known long, short-handed: before all but recovery
+                    assert self._rank(k)[0] <= self._rank(head)[0], (sub, head)
             # and no slot is left idle while work is ready
             assert self.inflight, ("idle with ready work", ready)
             used = self._first_used()
@@ -853,6 +865,10 @@ class SpecDriver(Driver):
         self.dup_wins = self.preempted = self.spared = self.n_dups = 0
         self.launched: dict[int, int] = {}  # group -> duplicates started
         self.via_tick = False  # the instructions being checked answer a Tick
+
+    def _boosted(self, key) -> bool:
+        """Known long while a node straggles: it may go first (``State._short_handed``)."""
+        return self.state._short_handed() and self.state._known_long(key)
 
     def copy_group(self, cid: int) -> int:
         return self.dups[cid].duplicate_of if cid in self.dups else cid
@@ -1418,6 +1434,50 @@ def test_task_on_a_slow_node_is_duplicated_at_once_elsewhere():
     s.validate_state()
     out = s.handle(TaskFinished(dup.group, {"total": 0.1}, 8, dup.node, 3.01))
     assert Cancel(total.group) in out and s.done
+
+
+def _submission_order(straggle: bool) -> tuple[list[str], State]:
+    """Twenty short tasks (0.3 s apart) and a known-long one feeding a total, on 3 one-CPU
+    nodes; the long one comes late in dask's order. With ``straggle``, ``nS`` holds its
+    first task and the other two take turns; else all three do. Roots in submission
+    order, up to the long one."""
+    sp = Speculation(enabled=True, quantile=None, long_task=3.0, min_runtime=10.0, slow_node=3.0)
+    deps = {f"short-{i:02d}": set() for i in range(20)}
+    deps["long-0"] = set()
+    deps["total"] = set(deps)
+    seed = {"short": [0.28] * 5, "long": [9.0]}  # 0.28 s, and 0.02 s between tasks
+    s = make(deps, ["total"], capacity=3, speculation=sp, seed_runtimes=seed)
+    nodes = ("nS", "n0", "n1")
+    running = dict(zip(nodes, submits(s.start()), strict=True))
+    for node, sub in running.items():
+        s.handle(TaskStarted(sub.group, node, 0.0))
+    order = [sub.root for sub in running.values()]
+    turns = itertools.cycle(nodes[1:] if straggle else nodes)
+    now = 0.0
+    while "long-0" not in order:
+        now += 0.3 / (2 if straggle else 3)  # each node's task takes 0.3 s
+        node = next(turns)
+        done = running[node]
+        (nxt,) = submits(s.handle(TaskFinished(done.group, {done.root: 0.28}, 8, node, now - 0.3)))
+        s.handle(TaskStarted(nxt.group, node, now))
+        running[node] = nxt
+        order.append(nxt.root)
+        s.validate_state()
+    return order, s
+
+
+def test_known_long_task_goes_next_while_a_node_straggles():
+    """dask's order runs the long task late; while a first copy runs ``slow_node`` times
+    its category's mean (nS holds its first short task), the cluster does less than it
+    seemed and the known-long task goes next. Without a straggler it keeps its place
+    (started early, its duplicate would wait for every short one)."""
+    plain, s = _submission_order(straggle=False)
+    assert len(plain) == 21 and plain[-1] == "long-0" and not s._short_handed()
+    boosted, s = _submission_order(straggle=True)
+    # two finishes every 0.3 s: the 6th after the first three, at 0.9 s, is the first
+    # past 3 x 0.28 s
+    assert boosted[:8] == plain[:8] and boosted[8] == "long-0", boosted
+    assert s._short_handed()
 
 
 def test_speculation_off_makes_no_duplicates():
