@@ -450,6 +450,10 @@ class State:
             r = self.runtimes[cat] = Runtimes()
             for x in seconds:
                 r.add(float(x))
+        # categories known long (mean at least long_task): their ready tasks also
+        # wait in ``ready_long``; empty unless speculation may reorder
+        self.long_cats = {c for c, r in self.runtimes.items() if self._long_mean(r)}
+        self._short_handed_now: bool | None = None  # per event: see ``_short_handed``
         self.copy_of: dict[int, int] = {}  # duplicate copy id -> its group's id
         # speculation's view of each node's free CPUs: the latest Tick's, plus what a
         # finished copy freed and less what a started copy or a duplicate took since
@@ -531,6 +535,7 @@ class State:
 
     def handle(self, event: Event) -> list[Instruction]:
         out: list[Instruction] = []
+        self._short_handed_now = None
         if isinstance(event, TaskFinished):
             if self._finished(event, out):
                 self._fill(out)
@@ -649,9 +654,11 @@ class State:
                     if pace is not None and r.count >= self.speculation.min_samples and r.mean:
                         pace.append(ev.durations[m] / r.mean)
                         del pace[: -self.PACE]
-                    was_long = self._known_long(m)
                     r.add(ev.durations[m])
-                    if not was_long and self._known_long(m):
+                    if not self._long_mean(r):
+                        self.long_cats.discard(cat)
+                    elif cat not in self.long_cats:
+                        self.long_cats.add(cat)
                         self._index_long(cat)
             for dep in self.dependencies[m]:
                 if dep in group.members:
@@ -1104,13 +1111,15 @@ class State:
         s = sorted(pace)
         return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2 >= factor
 
-    def _known_long(self, key: Key) -> bool:
-        """Is the key's category known long (its mean runtime at least ``long_task``)?"""
+    def _long_mean(self, r: Runtimes) -> bool:
+        """Does this category's mean make it known long, for reordering?"""
         sp = self.speculation
         if not sp.enabled or sp.long_task is None or sp.slow_node is None:
             return False
-        r = self.runtimes.get(self.category(key))
-        return r is not None and r.count > 0 and r.mean >= sp.long_task
+        return r.count > 0 and r.mean >= sp.long_task
+
+    def _known_long(self, key: Key) -> bool:
+        return bool(self.long_cats) and self.category(key) in self.long_cats
 
     def _index_long(self, cat: str) -> None:
         """A category just became known long: its ready tasks join ``ready_long``."""
@@ -1127,6 +1136,11 @@ class State:
         a straggler it keeps its place: started early, it would hold a CPU that its
         duplicate could only get once the other tasks are done.
         """
+        if self._short_handed_now is None:  # once per event: no copy starts meanwhile
+            self._short_handed_now = self._straggling()
+        return self._short_handed_now
+
+    def _straggling(self) -> bool:
         factor, sp = self.speculation.slow_node, self.speculation
         if factor is None:
             return False
@@ -1370,6 +1384,7 @@ class State:
         finished = (MEMORY, RELEASED)
         assert set(self.state) == set(self.dependencies)
         heaps = (*self.ready, *self.ready_sources)
+        assert self.long_cats == {c for c, r in self.runtimes.items() if self._long_mean(r)}
         in_heap = {e[-1] for e in heaps if self.state[e[-1]] == READY}
         assert all(self.dependencies[e[-1]] <= self.available for e in self.ready_sources)
         assert self.full <= self.crowded <= set(self.stores), (self.crowded, self.stores)
@@ -1378,6 +1393,8 @@ class State:
         )
         if not stopped:
             assert in_heap == {k for k, s in self.state.items() if s == READY}
+            long_ready = {k for k in in_heap if self._known_long(k)}
+            assert long_ready <= {e[-1] for e in self.ready_long}, long_ready
         for k, s in self.state.items():
             deps, dependents = self.dependencies[k], self.dependents[k]
             if s == READY:
