@@ -888,15 +888,16 @@ class State:
     def _next_ready(self) -> list | None:
         """The heap whose top runs next: by priority, but consumers first while a store
         is full (what they read is freed when they finish; a source only adds)."""
-        for h in (self.ready, self.ready_sources, self.ready_long):
+        for h in (self.ready, self.ready_sources):
             while h and self.state[h[0][-1]] != READY:  # fused into a group, or input lost
                 heapq.heappop(h)
-        while self.ready_long and not self._known_long(self.ready_long[0][-1]):
-            heapq.heappop(self.ready_long)  # its category's mean fell below long-task
-        if self.ready_long and self._short_handed():
+        long = self.ready_long  # also gone: a category whose mean fell below long-task
+        while long and (self.state[long[0][-1]] != READY or not self._known_long(long[0][-1])):
+            heapq.heappop(long)
+        if long and self._short_handed():
             tops = [h[0] for h in (self.ready, self.ready_sources) if h]
-            if self.ready_long[0][0] <= min(tops)[0]:  # never ahead of a recovery wave
-                return self.ready_long
+            if long[0][0] <= min(tops)[0]:  # never ahead of a recovery wave
+                return long
         if not self.ready_sources:
             return self.ready or None
         if not self.ready:
