@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import pickle
+import threading
 import time
 import weakref
 from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
@@ -212,11 +213,16 @@ _inbox: tuple[Any, Any] | None = None  # (the Ray session's id, the actor handle
 _runs = iter(range(1, 2**62))
 
 
+def _session() -> tuple[str, str]:
+    ctx = ray.get_runtime_context()
+    return (ctx.gcs_address, ctx.get_job_id())  # job ids restart in every new cluster
+
+
 def inbox() -> Any:
     """This driver's inbox actor on its own node, started on first use, one per Ray session."""
     global _inbox
     ctx = ray.get_runtime_context()
-    session = (ctx.gcs_address, ctx.get_job_id())  # job ids restart in every new cluster
+    session = _session()
     if _inbox is None or _inbox[0] != session:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -231,6 +237,72 @@ def inbox() -> Any:
         )
         _inbox = (session, actor)
     return _inbox[1]
+
+
+class _Graveyard:
+    """The refs of cancelled Ray tasks, held until each task has ended.
+
+    Ray (2.60) can keep a cancelled task's value pinned in the object store for good,
+    referenced by nobody, when the driver drops the task's refs before it has ended:
+    seen under load, for a task cancelled while its worker process was starting. Refs
+    dropped once the task has ended free its value as usual. A thread waits for the
+    ends, so that neither a compute nor its error waits for them.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._more = threading.Condition(self._lock)
+        self._held: dict[ray.ObjectRef, tuple[tuple, tuple[str, str]]] = {}
+        self._thread: threading.Thread | None = None
+
+    def hold(self, meta_ref: ray.ObjectRef, value_refs: tuple) -> None:
+        session = _session()
+        with self._lock:
+            self._held[meta_ref] = (value_refs, session)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._reap, name="raydag-graveyard", daemon=True
+                )
+                self._thread.start()
+            self._more.notify()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def _reap(self) -> None:
+        while True:
+            with self._lock:
+                while not self._held:
+                    self._more.wait()
+            self._bury_ended()  # its locals, refs among them, go when it returns
+
+    def _bury_ended(self) -> None:
+        with self._lock:
+            held = {r: session for r, (_, session) in self._held.items()}
+        try:
+            now = _session() if ray.is_initialized() else None
+        except Exception:  # Ray shutting down
+            now = None
+        # refs of an earlier Ray session never end: let them go
+        ended = [r for r, session in held.items() if session != now]
+        waiting = [r for r, session in held.items() if session == now]
+        if waiting:
+            try:
+                done, _ = ray.wait(waiting, num_returns=1, timeout=0.5, fetch_local=False)
+                if done:
+                    done, _ = ray.wait(
+                        waiting, num_returns=len(waiting), timeout=0, fetch_local=False
+                    )
+                ended += done
+            except Exception:  # Ray shut down meanwhile: its refs mean nothing now
+                ended = list(held)
+        with self._lock:
+            for r in ended:
+                self._held.pop(r, None)
+
+
+_graveyard = _Graveyard()
 
 
 def idle_cpus(alive: Mapping[str, float]) -> dict[str, float]:
@@ -255,12 +327,24 @@ def pack_exception(e: BaseException) -> bytes:
 
 
 def unpack_exception(blob: bytes) -> BaseException:
-    from tblib import Traceback
-
     exc, tb = pickle.loads(blob)
     if tb is not None:
-        exc = exc.with_traceback(Traceback.from_dict(tb).as_traceback())
+        exc = exc.with_traceback(_rebuilt(tb))
     return exc
+
+
+def _rebuilt(tb: dict) -> Any:
+    """tblib makes each frame of the traceback by running code, and a frame keeps its
+    caller's frame (``f_back``) and so its locals: made on the driver loop's stack, the
+    error would keep the loop's refs, and their objects, for as long as it lives. A
+    fresh thread's stack holds none."""
+    from tblib import Traceback
+
+    made: list = []
+    t = threading.Thread(target=lambda: made.append(Traceback.from_dict(tb).as_traceback()))
+    t.start()
+    t.join()
+    return made[0]
 
 
 def _ray_options(resources: Mapping[str, float] | None) -> dict:
@@ -393,21 +477,7 @@ class Runner:
             while not self.state.done:
                 if not self.pending:
                     raise RuntimeError("raydag: nothing in flight but the graph is not done")
-                # the inbox's drain too: a start note wakes the loop (see ``_Inbox``)
-                refs = [*self.pending, *([self._drain] if self._drain is not None else [])]
-                ready, _ = ray.wait(refs, num_returns=1, timeout=self.poll)
-                if ready:
-                    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-                    for ref in ready:
-                        if self._drain is not None and ref == self._drain:
-                            self._take_notes(wait=0)
-                            continue
-                        if ref not in self.pending:  # cancelled while handling an earlier one
-                            continue
-                        for event in self._events(ref):
-                            self._step(event)
-                        if self.state.done:
-                            break
+                self._wait_and_handle()
                 if time.monotonic() - last_poll > self.poll:
                     last_poll = time.monotonic()
                     self._tick()
@@ -422,9 +492,31 @@ class Runner:
             raise
         finally:
             self.values.clear()
+            for meta_ref, (_, value_refs) in self.pending.items():  # none, unless interrupted
+                _graveyard.hold(meta_ref, value_refs)
             self.pending.clear()
             self.by_group.clear()
             self._drain = None
+
+    def _wait_and_handle(self) -> None:
+        """Wait for Ray tasks to end (up to a poll interval); step through what they
+        mean. The refs stay in this frame, not in ``run``'s: a raised error keeps
+        the frames it passed through, with their locals, for as long as it lives."""
+        # the inbox's drain too: a start note wakes the loop (see ``_Inbox``)
+        refs = [*self.pending, *([self._drain] if self._drain is not None else [])]
+        ready, _ = ray.wait(refs, num_returns=1, timeout=self.poll)
+        if ready:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            for ref in ready:
+                if self._drain is not None and ref == self._drain:
+                    self._take_notes(wait=0)
+                    continue
+                if ref not in self.pending:  # cancelled while handling an earlier one
+                    continue
+                for event in self._events(ref):
+                    self._step(event)
+                if self.state.done:
+                    break
 
     def _hex(self, key: Key) -> str | None:
         ref = self.values.get(key)
@@ -680,6 +772,7 @@ class Runner:
                 if meta_ref is not None:
                     _, value_refs = self.pending.pop(meta_ref)
                     ray.cancel(value_refs[0], force=self.force_cancel)
+                    _graveyard.hold(meta_ref, value_refs)
                     if self.force_cancel and ins.node in self.nodes and ins.node not in self.gone:
                         self._spare(ins.node)
             elif isinstance(ins, Fail):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import signal
@@ -124,6 +126,64 @@ def test_unshippable_exception_gives_a_clear_error(fail, name, assert_store_empt
     assert name in text, text
     assert "cannot ship me" in text or "a/b" in text, text
     del info
+    assert_store_empty()
+
+
+def _driver_refs() -> set[str]:
+    counts = ray._private.worker.global_worker.core_worker.get_all_reference_counts()
+    return {r.hex() if hasattr(r, "hex") else str(r) for r in counts}
+
+
+@pytest.mark.parametrize(
+    "fail", [user_function_that_fails, raise_needs_two_args], ids=["shipped", "rebuilt"]
+)
+def test_a_kept_error_keeps_no_ref(fail, assert_store_empty):
+    """A caller may keep the error for good (a notebook keeps the last one): it must not
+    keep the compute's refs, nor their objects, and no garbage collection may be needed."""
+    before = _driver_refs()
+    ok, bad = _graph_with_failure(fail)
+    gc.disable()
+    try:
+        with pytest.raises(Exception) as info:  # noqa: B017  (the type is not the point)
+            dask.compute(ok, bad, scheduler=raydag.ray_get)
+        kept = info.value
+        deadline = time.monotonic() + 5  # a cancelled task's refs go once it has ended
+        while (left := _driver_refs() - before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"the driver still holds {len(left)} refs of the failed compute"
+        assert_store_empty()
+        assert kept.__traceback__ is not None
+    finally:
+        gc.enable()
+
+
+def stubborn(seconds, value):
+    """Goes on after a (non-forced) cancel, as code in C that never checks for signals would."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        with contextlib.suppress(KeyboardInterrupt):
+            time.sleep(left)
+    return value
+
+
+def test_cancelled_task_refs_are_held_until_it_ends(assert_store_empty):
+    """Ray can leave a cancelled task's value pinned in the store for good when the
+    driver drops its refs before it ends: raydag holds them until then, without
+    holding up the error."""
+    from raydag.runtime import _graveyard
+
+    d = dask.delayed
+    slow = d(stubborn)(4, d(big)(1), dask_key_name="stubborn")
+    bad = d(fail_after)(1, dask_key_name="bad")
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="failed while others run"):
+        dask.compute(bad, slow, scheduler=raydag.ray_get)
+    assert time.monotonic() - t0 < 3.5, "the error waited for the cancelled task"
+    assert len(_graveyard) == 1, "the cancelled task's refs were dropped at once"
+    deadline = time.monotonic() + 10
+    while len(_graveyard) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not len(_graveyard), "the cancelled task's refs are held after it ended"
     assert_store_empty()
 
 
