@@ -176,7 +176,11 @@ def test_cancelled_task_refs_are_held_until_it_ends(assert_store_empty):
     slow = d(stubborn)(4, d(big)(1), dask_key_name="stubborn")
     bad = d(fail_after)(1, dask_key_name="bad")
     t0 = time.monotonic()
-    with pytest.raises(ValueError, match="failed while others run"):
+    # not forced: the task goes on, where a forced cancel would end it at once
+    with (
+        dask.config.set({"raydag.cancel.force": False}),
+        pytest.raises(ValueError, match="failed while others run"),
+    ):
         dask.compute(bad, slow, scheduler=raydag.ray_get)
     assert time.monotonic() - t0 < 3.5, "the error waited for the cancelled task"
     assert len(_graveyard) == 1, "the cancelled task's refs were dropped at once"
