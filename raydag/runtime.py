@@ -289,12 +289,7 @@ class _Graveyard:
         waiting = [r for r, session in held.items() if session == now]
         if waiting:
             try:
-                done, _ = ray.wait(waiting, num_returns=1, timeout=0.5, fetch_local=False)
-                if done:
-                    done, _ = ray.wait(
-                        waiting, num_returns=len(waiting), timeout=0, fetch_local=False
-                    )
-                ended += done
+                ended += _ended(waiting, timeout=0.5, fetch_local=False)
             except Exception:  # Ray shut down meanwhile: its refs mean nothing now
                 ended = list(held)
         with self._lock:
@@ -303,6 +298,15 @@ class _Graveyard:
 
 
 _graveyard = _Graveyard()
+
+
+def _ended(refs: list, timeout: float, fetch_local: bool = True) -> list:
+    """Every ref of ``refs`` ready once the first is (or none after ``timeout`` s)."""
+    ready, _ = ray.wait(refs, num_returns=1, timeout=timeout, fetch_local=fetch_local)
+    if not ready:
+        return []
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=fetch_local)
+    return ready
 
 
 def idle_cpus(alive: Mapping[str, float]) -> dict[str, float]:
@@ -504,19 +508,16 @@ class Runner:
         the frames it passed through, with their locals, for as long as it lives."""
         # the inbox's drain too: a start note wakes the loop (see ``_Inbox``)
         refs = [*self.pending, *([self._drain] if self._drain is not None else [])]
-        ready, _ = ray.wait(refs, num_returns=1, timeout=self.poll)
-        if ready:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            for ref in ready:
-                if self._drain is not None and ref == self._drain:
-                    self._take_notes(wait=0)
-                    continue
-                if ref not in self.pending:  # cancelled while handling an earlier one
-                    continue
-                for event in self._events(ref):
-                    self._step(event)
-                if self.state.done:
-                    break
+        for ref in _ended(refs, timeout=self.poll):
+            if self._drain is not None and ref == self._drain:
+                self._take_notes(wait=0)
+                continue
+            if ref not in self.pending:  # cancelled while handling an earlier one
+                continue
+            for event in self._events(ref):
+                self._step(event)
+            if self.state.done:
+                break
 
     def _hex(self, key: Key) -> str | None:
         ref = self.values.get(key)

@@ -129,9 +129,8 @@ def test_unshippable_exception_gives_a_clear_error(fail, name, assert_store_empt
     assert_store_empty()
 
 
-def _driver_refs() -> set[str]:
-    counts = ray._private.worker.global_worker.core_worker.get_all_reference_counts()
-    return {r.hex() if hasattr(r, "hex") else str(r) for r in counts}
+def _driver_refs() -> set[bytes]:
+    return set(ray._private.worker.global_worker.core_worker.get_all_reference_counts())
 
 
 @pytest.mark.parametrize(
