@@ -221,13 +221,15 @@ class _Run:
             return False
         logger.warning("%s failed: merging what finished", item)
         self.pending.clear()
-        for s in self.running:
-            ray.cancel(s)
+        runtime.cancel(list(self.running), force=False)
         return False
 
     def cancel_all(self) -> None:
-        for s in (*self.running, *self.merging):
-            ray.cancel(s, force=bool(config.get("cancel.force")))
+        runtime.cancel([*self.running, *self.merging], force=bool(config.get("cancel.force")))
+        for status, (out, _) in self.running.items():  # see runtime._Graveyard
+            runtime.hold_until_ended(status, (out,))
+        for status, out in self.merging.items():
+            runtime.hold_until_ended(status, (out,))
         self.function = self.reducer = None
         self.running.clear()
         self.merging.clear()

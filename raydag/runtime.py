@@ -166,7 +166,8 @@ _remote = ray.remote(num_returns=2, max_retries=0)(run_group)
 
 
 class _Inbox:
-    """Where tasks not known to be cheap say where and when they started.
+    """Where tasks not known to be cheap say where and when they started; and where
+    the driver's cancels go out from (see ``cancel``).
 
     Ray tells the driver nothing of a task until it ends (its state API needs the
     dashboard), yet a duplicate must avoid the original's node, a task's runtime
@@ -208,6 +209,13 @@ class _Inbox:
             self.notes = [n for n in self.notes if n[0] != run and n[3] > stale]
         return mine
 
+    async def cancel(self, boxed: list, force: bool) -> None:
+        for ref in boxed:
+            try:
+                ray.cancel(ref, force=force)
+            except Exception as e:  # one that cannot be cancelled stops no other
+                logger.warning("raydag: could not cancel a task: %s", e)
+
 
 _inbox: tuple[Any, Any] | None = None  # (the Ray session's id, the actor handle)
 _runs = iter(range(1, 2**62))
@@ -237,6 +245,18 @@ def inbox() -> Any:
         )
         _inbox = (session, actor)
     return _inbox[1]
+
+
+def cancel(refs: Sequence[ray.ObjectRef], force: bool) -> None:
+    """Cancel the Ray tasks of ``refs`` from the inbox, not from this process.
+
+    Ray 2.60 aborts the process that owns a task when that process's own
+    ``ray.cancel`` meets the task's reply (a check fails in its core worker: see the
+    README). A cancel from another process reaches the owner as a request, handled on
+    the same thread as the replies, one after the other.
+    """
+    if refs:
+        inbox().cancel.remote(list(refs), force)  # in a list: refs, not their values
 
 
 class _Graveyard:
@@ -298,6 +318,7 @@ class _Graveyard:
 
 
 _graveyard = _Graveyard()
+hold_until_ended = _graveyard.hold
 
 
 def _ended(refs: list, timeout: float, fetch_local: bool = True) -> list:
@@ -759,6 +780,8 @@ class Runner:
         self._carry_out(instructions)
 
     def _carry_out(self, instructions: list[Instruction]) -> None:
+        cancelled: list[ray.ObjectRef] = []
+        spare: list[str] = []
         for ins in instructions:
             if isinstance(ins, Submit):
                 self._submit(ins)
@@ -772,10 +795,10 @@ class Runner:
                 meta_ref = self.by_group.pop(ins.group, None)
                 if meta_ref is not None:
                     _, value_refs = self.pending.pop(meta_ref)
-                    ray.cancel(value_refs[0], force=self.force_cancel)
+                    cancelled.append(value_refs[0])
                     _graveyard.hold(meta_ref, value_refs)
                     if self.force_cancel and ins.node in self.nodes and ins.node not in self.gone:
-                        self._spare(ins.node)
+                        spare.append(ins.node)
             elif isinstance(ins, Fail):
                 self.failure = ins
             elif isinstance(ins, Won):
@@ -797,6 +820,9 @@ class Runner:
                     len(ins.recompute),
                     ins.reason,
                 )
+        cancel(cancelled, self.force_cancel)
+        for node in spare:
+            self._spare(node)
 
     def _spare(self, node: str) -> None:
         """A forced cancel kills the copy's worker process, and Ray starts another only
