@@ -93,7 +93,7 @@ OPERATIONS = {
         lambda d: d.set_index("u").join(
             dd.from_pandas(frame(3000, 2), npartitions=4).set_index("u"), rsuffix="_r"
         ),
-        lambda p: p.set_index("u").join(frame(3000, 2).set_index("u"), rsuffix="_r"),
+        lambda p: p.set_index("u").join(frame(3000, 2).set_index("u"), suffixes=("", "_r")),
         lambda r: r.sort_index(),
     ),
     "groupby-apply": (
