@@ -492,7 +492,7 @@ def long_spec() -> Spec:
 
 def test_repeated_deaths_of_the_nodes_running_one_task(cluster, logs, rlog):
     """A node's death is not the task's fault: four deaths under ``long`` do not use up its
-    retries (3). ray_dask_get, with Ray's 3 retries, is shown for comparison."""
+    retries (3)."""
     c = cluster
     spec, outputs = long_spec(), ["final"]
     n_deaths = RAY_DEFAULT_RETRIES + 1
@@ -507,17 +507,6 @@ def test_repeated_deaths_of_the_nodes_running_one_task(cluster, logs, rlog):
     check_recovery(spec, outputs, log, rlog, deaths)
     del got
     assert_stores_empty()
-
-    ensure_nodes(c, 3 + n_deaths)
-    log = logs("ray_dask_get")
-    bg = Background(lambda: ray_dask_get(build(spec, log), outputs))
-    repeated_deaths(c, log, bg, n_deaths)
-    outcome, _ = bg.outcome()
-    starts = sum(r.label == "long" for r in runs(log))
-    print(
-        f"ray_dask_get after {n_deaths} deaths under 'long': {outcome}, 'long' started {starts} times"
-    )
-    # Not asserted: whether Ray gives up depends on how it classifies each death.
 
 
 @pytest.mark.parametrize("consumer_bytes", [MiB, 8], ids=["in-store", "inlined"])
