@@ -174,7 +174,7 @@ def test_cancelled_task_refs_are_held_until_it_ends(assert_store_empty):
     d = dask.delayed
     # two worker processes up first: on a cold Ray the error waits for them, not the task
     dask.compute(d(sleep_then)(0.5, 1), d(sleep_then)(0.5, 2), scheduler=raydag.ray_get)
-    slow = d(stubborn)(4, d(big)(1), dask_key_name="stubborn")
+    slow = d(stubborn)(8, d(big)(1), dask_key_name="stubborn")
     bad = d(fail_after)(1, dask_key_name="bad")
     t0 = time.monotonic()
     # not forced: the task goes on, where a forced cancel would end it at once
@@ -183,9 +183,10 @@ def test_cancelled_task_refs_are_held_until_it_ends(assert_store_empty):
         pytest.raises(ValueError, match="failed while others run"),
     ):
         dask.compute(bad, slow, scheduler=raydag.ray_get)
-    assert time.monotonic() - t0 < 3.5, "the error waited for the cancelled task"
+    # 1 s and the start of two tasks; waiting would take the cancelled task's 8 s
+    assert time.monotonic() - t0 < 6, "the error waited for the cancelled task"
     assert len(_graveyard) == 1, "the cancelled task's refs were dropped at once"
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 14
     while len(_graveyard) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not len(_graveyard), "the cancelled task's refs are held after it ended"
