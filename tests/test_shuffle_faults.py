@@ -237,19 +237,27 @@ def test_node_dies_during_the_reduce_stage(cluster, log):
     """Reducers run (slowly) while pieces wait for the others: the dead node's pieces
     still needed are remade by their maps alone; finished reducers are not rerun."""
     c, n, m = cluster, 9, 8
-    x = source(n, log).shuffle("k", npartitions=m)
-    y = x.map_partitions(slow_out, 0.8, log, meta=x._meta)
-    bg = Background(lambda: y.compute(scheduler=raydag.ray_get))
-    wait_until(lambda: sum(r.label.startswith("out-") for r in runs(log)) >= 2, "2 reducers", bg)
-    kill(c, busiest(c, log, "in-"))
-    add_node(c)
-    got = bg.result(240)
-    assert_rows(got, n)
-    r = Recovery()
-    assert r.waves >= 1 and r.lost_pieces, "the dead node held no piece: the test needs one"
+    # The node that ran the most inputs may hold no piece still needed (seen once on a
+    # slow host): then the scenario did not arise, and it is tried once more.
+    for attempt in (1, 2):
+        notes = f"{log}.{attempt}"
+        x = source(n, notes).shuffle("k", npartitions=m)
+        y = x.map_partitions(slow_out, 0.8, notes, meta=x._meta)
+        bg = Background(lambda y=y: y.compute(scheduler=raydag.ray_get))
+        started = lambda notes=notes: sum(r.label.startswith("out-") for r in runs(notes))  # noqa: E731
+        wait_until(lambda started=started: started() >= 2, "2 reducers", bg)
+        kill(c, busiest(c, notes, "in-"))
+        add_node(c)
+        got = bg.result(240)
+        assert_rows(got, n)
+        del got
+        r = Recovery()
+        assert r.waves >= 1
+        if r.lost_pieces:
+            break
+    assert r.lost_pieces, "the dead node held no piece, twice: the test needs one"
     r.check_only_lost_pieces_rerun()
     assert all(len(b) <= m for b in r.bundles)
-    del got
     assert_stores_empty()
 
 
