@@ -226,9 +226,8 @@ class _Run:
 
     def cancel_all(self) -> None:
         runtime.cancel([*self.running, *self.merging], force=bool(config.get("cancel.force")))
-        for status, (out, _) in self.running.items():  # see runtime._Graveyard
-            runtime.hold_until_ended(status, (out,))
-        for status, out in self.merging.items():
+        outs = {**{s: out for s, (out, _) in self.running.items()}, **self.merging}
+        for status, out in outs.items():  # see runtime._Graveyard
             runtime.hold_until_ended(status, (out,))
         self.function = self.reducer = None
         self.running.clear()

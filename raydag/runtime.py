@@ -781,7 +781,6 @@ class Runner:
 
     def _carry_out(self, instructions: list[Instruction]) -> None:
         cancelled: list[ray.ObjectRef] = []
-        spare: list[str] = []
         for ins in instructions:
             if isinstance(ins, Submit):
                 self._submit(ins)
@@ -798,7 +797,7 @@ class Runner:
                     cancelled.append(value_refs[0])
                     _graveyard.hold(meta_ref, value_refs)
                     if self.force_cancel and ins.node in self.nodes and ins.node not in self.gone:
-                        spare.append(ins.node)
+                        self._spare(ins.node)
             elif isinstance(ins, Fail):
                 self.failure = ins
             elif isinstance(ins, Won):
@@ -821,8 +820,6 @@ class Runner:
                     ins.reason,
                 )
         cancel(cancelled, self.force_cancel)
-        for node in spare:
-            self._spare(node)
 
     def _spare(self, node: str) -> None:
         """A forced cancel kills the copy's worker process, and Ray starts another only
