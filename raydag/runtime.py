@@ -17,7 +17,7 @@ import pickle
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -698,6 +698,8 @@ class Runner:
                 break
             lost.extend(held - still)
             held = still
+        if held:
+            logger.debug("raydag: kept, read by running tasks: %s", _few(held))
         return lost
 
     def _events(self, meta_ref: ray.ObjectRef) -> list:
@@ -819,6 +821,7 @@ class Runner:
                     len(ins.recompute),
                     ins.reason,
                 )
+                logger.debug("raydag: wave %d lost %s", ins.wave, _few(ins.lost))
         cancel(cancelled, self.force_cancel)
 
     def _spare(self, node: str) -> None:
@@ -885,6 +888,13 @@ def _with(sub: Submit) -> str:
     """The other tasks of a retried group: they run again too (their values never left)."""
     others = [k for k in sub.keys if k != sub.root]
     return f" (with {', '.join(map(repr, others))} in its Ray task)" if others else ""
+
+
+def _few(keys: Iterable, n: int = 40) -> str:
+    """Keys for a debug line: the first ``n`` of them, sorted, and how many more."""
+    shown = sorted(map(repr, keys))
+    more = f" and {len(shown) - n} more" if len(shown) > n else ""
+    return ", ".join(shown[:n]) + more
 
 
 def _dask_state(graph: Graph) -> dict:

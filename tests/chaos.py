@@ -12,7 +12,6 @@ Ray workers import this module by name (its tasks are not shipped by value):
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import gc
 import logging
@@ -28,7 +27,6 @@ from typing import Any, NamedTuple
 
 import dask
 import numpy as np
-import psutil
 import ray
 from dask._task_spec import Task, TaskRef
 from harness import MultiNodeCluster
@@ -156,6 +154,7 @@ WAVE_RE = re.compile(r"recovery wave (\d+): (\d+) lost results, (\d+) tasks to r
 
 
 DIED_RE = re.compile(r"raydag: node (\w+) died")
+KEYS_RE = re.compile(r"raydag: (wave \d+ lost|kept, read by running tasks) ")
 
 
 RETRY_RE = re.compile(
@@ -188,6 +187,10 @@ class RaydagLog(logging.Handler):
             if m:
                 out.append(Wave(int(m[1]), int(m[2]), int(m[3]), m[4], t))
         return out
+
+    def judged(self) -> list[str]:
+        """raydag's own debug lines naming the values each wave lost or kept."""
+        return [msg for _, msg in self.records if KEYS_RE.search(msg)]
 
     def cut(self, after: float, before: float = math.inf) -> set[str]:
         """Tasks the driver saw die with their node from ``after`` to ``before``: their
@@ -248,7 +251,7 @@ def expected_recovery(
     At the moment the driver notices a death, a value is *lost* if the last run that
     made it was on the dead node, it is bigger than Ray inlines, no consumer still
     running on another alive node pins a copy (it started after the value was made,
-    before the kill, and had not ended when the driver noticed; a consumer that also
+    and had not ended when the driver noticed; a consumer that also
     reads a lost value is cancelled, and pins nothing), and it is still *needed*: an
     output, or read by a task not finished yet. What gets
     recomputed is the lost values and, transitively, the inputs they read that were
@@ -341,8 +344,12 @@ class _Replay:
         return k in self.outputs or any(not self.made(d, seen) for d in self.dependents[k])
 
     def readers(self, k: str, after: float, death: Death) -> list[Run]:
-        """Runs of ``k``'s consumers on other alive nodes that fetched it before the kill
-        and still ran when the driver noticed: their pinned copies keep ``k``."""
+        """Runs of ``k``'s consumers on other alive nodes that started before the driver
+        noticed the death and still ran then: their pinned copies keep ``k``.
+
+        Not only those that started before the kill: a task starts once its inputs are
+        fetched, and a fetch may end as the node is being killed (the kill takes about
+        0.1 s, from ``t_kill`` to ``t_dead``), or come from a copy on another node."""
         seen = death.t_seen
         assert seen is not None
         return [
@@ -351,7 +358,7 @@ class _Replay:
             if r.label in self.dependents[k]
             and r.node != death.node
             and r.node not in self.dead
-            and after < r.start < death.t_kill
+            and after < r.start < seen
             and (r.end is None or r.end > seen)
         ]
 
@@ -415,15 +422,9 @@ class Clusters:
         # start (nodes added later too): let them import this module.
         self.old_path = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, self.old_path) if p)
-        for attempt in (1, 2):  # on a loaded machine the head may miss Ray's 30 s deadline
-            c = MultiNodeCluster(system_config=system_config, **{**self.cluster, **sizes})
-            try:
-                self.current = c.__enter__()
-                break
-            except Exception:
-                _kill_leftovers(c.root)
-                if attempt == 2:
-                    raise
+        self.current = MultiNodeCluster(
+            system_config=system_config, **{**self.cluster, **sizes}
+        ).__enter__()
         self.config = wanted
         return self.current
 
@@ -435,35 +436,6 @@ class Clusters:
                 os.environ.pop("PYTHONPATH", None)
             else:
                 os.environ["PYTHONPATH"] = self.old_path
-
-
-def _kill_leftovers(root: str, tmpdir: str | None = None) -> None:
-    """SIGKILL what a cluster or node that failed to start left running (the harness
-    only ends the nodes it finished starting): every process naming the cluster's
-    unique directory, or only those whose TMPDIR is the node's own directory."""
-    if not root:
-        return
-    for pid in psutil.pids():
-        with contextlib.suppress(psutil.Error):
-            p = psutil.Process(pid)
-            env = p.environ().get("TMPDIR", "")
-            node_match = tmpdir is not None and env == tmpdir
-            cluster_match = tmpdir is None and (root in env or any(root in a for a in p.cmdline()))
-            if node_match or cluster_match:
-                p.kill()
-
-
-def add_node(c: MultiNodeCluster, attempts: int = 3, **kwargs: Any):
-    """``c.add_node(**kwargs)``, retried: on a loaded machine a raylet can miss Ray's
-    fixed 30 s start deadline, and Ray then raises."""
-    for attempt in range(1, attempts + 1):
-        try:
-            return c.add_node(**kwargs)
-        except Exception:
-            # The harness names the node it was starting node<count>, its TMPDIR after it.
-            _kill_leftovers(c.root, os.path.join(c.root, f"node{c._count}"))
-            if attempt == attempts:
-                raise
 
 
 def store_objects() -> int:
@@ -551,7 +523,7 @@ def ensure_nodes(c: MultiNodeCluster, n: int = 3) -> None:
         c.kill(extra)
         c.wait_dead(extra)
     while len(c.alive) < n:
-        add_node(c)
+        c.add_node()
     gc.collect()  # ray_dask_get leaves objects behind in a reference cycle (ray#36653)
     deadline = time.monotonic() + 10
     while store_objects() and time.monotonic() < deadline:

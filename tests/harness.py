@@ -67,53 +67,74 @@ class MultiNodeCluster:
     def __enter__(self) -> MultiNodeCluster:
         if ray.is_initialized():
             ray.shutdown()
-        self.root = tempfile.mkdtemp(prefix="rdg-", dir="/tmp")
-        try:
-            head_tmp = self._tmpdir("head")
-            self.cluster = Cluster(
-                initialize_head=True,
-                shutdown_at_exit=False,
-                head_node_args={
-                    "num_cpus": 0,
-                    "object_store_memory": self.head_store_bytes,
-                    "temp_dir": os.path.join(self.root, "ray"),
-                    "include_dashboard": False,
-                    "env_vars": {"TMPDIR": head_tmp},
-                    "_system_config": self.system_config,
-                },
-            )
-            handle = self.cluster.head_node
-            self.head = Node("head", handle, handle.node_id, head_tmp)
-            for _ in range(self.n_nodes):
-                self.add_node()
-            ray.init(address=self.cluster.address, logging_level="WARNING")
-            self._record_pids()
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
+        for attempt in (1, 2):  # on a loaded machine the head may miss Ray's 30 s deadline
+            self.root = tempfile.mkdtemp(prefix="rdg-", dir="/tmp")
+            try:
+                self._start()
+                return self
+            except BaseException:
+                self.__exit__(None, None, None)
+                _kill_leftovers(self.root)
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start(self) -> None:
+        self.cluster, self.head, self.nodes, self._count = None, None, [], 0
+        head_tmp = self._tmpdir("head")
+        self.cluster = Cluster(
+            initialize_head=True,
+            shutdown_at_exit=False,
+            head_node_args={
+                "num_cpus": 0,
+                "object_store_memory": self.head_store_bytes,
+                "temp_dir": os.path.join(self.root, "ray"),
+                "include_dashboard": False,
+                "env_vars": {"TMPDIR": head_tmp},
+                "_system_config": self.system_config,
+            },
+        )
+        handle = self.cluster.head_node
+        self.head = Node("head", handle, handle.node_id, head_tmp)
+        for _ in range(self.n_nodes):
+            self.add_node()
+        ray.init(address=self.cluster.address, logging_level="WARNING")
+        self._record_pids()
 
     def _tmpdir(self, name: str) -> str:
         path = os.path.join(self.root, name)
         os.makedirs(path, exist_ok=True)
         return path
 
-    def add_node(self, cpus: int | None = None, env_vars: dict | None = None) -> Node:
-        """Start one more worker node (also usable mid-run); ``env_vars`` for its processes."""
+    def add_node(
+        self, cpus: int | None = None, env_vars: dict | None = None, attempts: int = 3
+    ) -> Node:
+        """Start one more worker node (also usable mid-run); ``env_vars`` for its processes.
+
+        Retried: on a loaded machine a raylet can miss Ray's fixed 30 s start deadline.
+        """
         assert self.cluster is not None
-        self._count += 1
-        name = f"node{self._count}"
-        tmp = self._tmpdir(name)
-        handle = self.cluster.add_node(
-            num_cpus=self.cpus if cpus is None else cpus,
-            object_store_memory=self.store_bytes,
-            env_vars={**(env_vars or {}), "TMPDIR": tmp},
-            resources={name: 1},
-        )
-        node = Node(name, handle, handle.node_id, tmp)
-        self.nodes.append(node)
-        self._record_pids()
-        return node
+        for attempt in range(1, attempts + 1):
+            self._count += 1
+            name = f"node{self._count}"
+            tmp = self._tmpdir(name)
+            try:
+                handle = self.cluster.add_node(
+                    num_cpus=self.cpus if cpus is None else cpus,
+                    object_store_memory=self.store_bytes,
+                    env_vars={**(env_vars or {}), "TMPDIR": tmp},
+                    resources={name: 1},
+                )
+            except Exception:
+                _kill_leftovers(self.root, tmp)
+                if attempt == attempts:
+                    raise
+                continue
+            node = Node(name, handle, handle.node_id, tmp)
+            self.nodes.append(node)
+            self._record_pids()
+            return node
+        raise AssertionError("unreachable")
 
     @property
     def alive(self) -> list[Node]:
@@ -163,6 +184,22 @@ class MultiNodeCluster:
                 _kill(node.pids)
         if self.root:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _kill_leftovers(root: str, tmpdir: str | None = None) -> None:
+    """SIGKILL what a cluster or node that failed to start left running (``__exit__``
+    ends only the nodes that finished starting): every process naming the cluster's
+    unique directory, or only those whose TMPDIR is the node's own directory."""
+    if not root:
+        return
+    for pid in psutil.pids():
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            env = p.environ().get("TMPDIR", "")
+            node_match = tmpdir is not None and env == tmpdir
+            cluster_match = tmpdir is None and (root in env or any(root in a for a in p.cmdline()))
+            if node_match or cluster_match:
+                p.kill()
 
 
 def _kill(pids: set[int]) -> None:

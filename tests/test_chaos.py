@@ -91,3 +91,22 @@ def test_a_fused_member_that_ended_in_its_groups_task_is_cut_with_it():
     assert deaths[0].cut == {"a", "b"}
     assert [(r.label, r.node) for r in exp.cut] == [("a", "B")]
     assert exp.completions == {"a": 2, "b": 1, "c": 1}
+
+
+def test_a_reader_that_started_after_the_kill_keeps_its_input():
+    # b made on A; c on C started after the kill began (its fetch of b ended while A
+    # was being killed) and ran past the moment the driver noticed: c holds b, which
+    # is not lost. Had c started only after the driver noticed, b would be.
+    done = [
+        Run("a", "A", 2, 0.0, 1.0),
+        Run("b", "A", 2, 1.0, 2.0),
+        Run("c", "C", 1, 2.05, 4.0),
+    ]
+    exp, _ = oracle(done, [Death("A", 2.0, 2.1)], [died(3.0, "A")])
+    assert exp.lost == [set()]
+    assert exp.completions == {"a": 1, "b": 1, "c": 1}
+
+    late = [*done[:2], Run("c", "C", 1, 3.5, 5.0)]
+    exp, _ = oracle(late, [Death("A", 2.0, 2.1)], [died(3.0, "A")])
+    assert exp.lost == [{"b"}]
+    assert exp.recompute == [{"a", "b"}]

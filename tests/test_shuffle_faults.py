@@ -27,7 +27,6 @@ import psutil
 import pytest
 from chaos import (
     Background,
-    add_node,
     assert_stores_empty,
     ensure_nodes,
     kill,
@@ -222,7 +221,7 @@ def test_node_dies_during_the_map_stage(cluster, log):
     bg = Background(lambda: x.compute(scheduler=raydag.ray_get))
     wait_until(lambda: sum(r.end is not None for r in runs(log)) >= 5, "5 inputs", bg)
     death = kill(c, busiest(c, log, "in-"))
-    add_node(c)
+    c.add_node()
     got = bg.result(240)
     assert_rows(got, n)
     r = Recovery()
@@ -247,7 +246,7 @@ def test_node_dies_during_the_reduce_stage(cluster, log):
         started = lambda notes=notes: sum(r.label.startswith("out-") for r in runs(notes))  # noqa: E731
         wait_until(lambda started=started: started() >= 2, "2 reducers", bg)
         kill(c, busiest(c, notes, "in-"))
-        add_node(c)
+        c.add_node()
         got = bg.result(240)
         assert_rows(got, n)
         del got
@@ -272,7 +271,7 @@ def test_node_dies_after_the_result_was_persisted(cluster, log):
     victim = Counter(held.values()).most_common(1)[0][0]
     on_dead = {k for k, node in held.items() if node == victim}
     kill(c, victim)
-    add_node(c)
+    c.add_node()
     got = p.compute(scheduler=raydag.ray_get)
     assert_rows(got, n)
     r = Recovery()
@@ -291,7 +290,7 @@ def test_node_dies_after_the_result_was_persisted(cluster, log):
 def test_node_holding_no_shuffle_data_dies(cluster, log):
     """A node with no CPUs runs nothing and holds nothing: its death changes nothing."""
     c, n = cluster, 8
-    idle = add_node(c, cpus=0)
+    idle = c.add_node(cpus=0)
     x = source(n, log, seconds=0.3).shuffle("k", npartitions=5)
     bg = Background(lambda: x.compute(scheduler=raydag.ray_get))
     wait_until(lambda: sum(r.end is not None for r in runs(log)) >= 3, "3 inputs", bg)

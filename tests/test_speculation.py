@@ -20,7 +20,7 @@ import dask
 import numpy as np
 import pytest
 import ray
-from chaos import Clusters, add_node, assert_same, assert_stores_empty, ensure_nodes
+from chaos import Clusters, assert_same, assert_stores_empty, ensure_nodes
 from dask._task_spec import Task, TaskRef
 
 import raydag
@@ -88,7 +88,7 @@ def cluster():
     try:
         c = clusters.get()
         ensure_nodes(c, 2)  # and a third, slowed
-        slowed = add_node(c, env_vars={"RAYDAG_TEST_SLOWDOWN": str(SLOWDOWN)})
+        slowed = c.add_node(env_vars={"RAYDAG_TEST_SLOWDOWN": str(SLOWDOWN)})
         SLOWED.append(slowed.node_id)
         with dask.config.set(SETTINGS):
             yield c
@@ -176,7 +176,7 @@ def test_original_node_killed_while_duplicate_runs_restarts_nothing(cluster, log
     won = raydag.last_run().events.query("event == 'won'")
     assert list(won.key) == ["long"] and won.duration.iloc[0] > 0.5
     assert_stores_empty()
-    add_node(cluster)
+    cluster.add_node()
 
 
 def test_no_duplicate_while_every_cpu_is_busy(cluster, log):
