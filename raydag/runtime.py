@@ -707,7 +707,7 @@ class Runner:
         sub, value_refs = self.pending.pop(meta_ref)
         del self.by_group[sub.group]
         try:
-            outcome: Outcome = ray.get(meta_ref)
+            outcome: Outcome = _outcome(meta_ref, value_refs)
         except rex.TaskUnschedulableError as e:  # a duplicate's node died before it ran
             logger.warning("raydag: the node for a copy of %r is gone", sub.root)
             return [TaskErred(sub.group, sub.root, e, node_lost=True)]
@@ -888,6 +888,19 @@ def _with(sub: Submit) -> str:
     """The other tasks of a retried group: they run again too (their values never left)."""
     others = [k for k in sub.keys if k != sub.root]
     return f" (with {', '.join(map(repr, others))} in its Ray task)" if others else ""
+
+
+def _outcome(meta_ref: ray.ObjectRef, value_refs: Sequence[ray.ObjectRef]) -> Outcome:
+    """``ray.get`` of a Ray task's outcome. When the task failed, its value refs hold the
+    error too: read them, or Ray logs each as an "Unhandled error" when it is dropped
+    (a line per value per worker death, on top of raydag's own warning)."""
+    try:
+        return ray.get(meta_ref)
+    except BaseException:
+        for ref in value_refs:
+            with contextlib.suppress(Exception):
+                ray.get(ref, timeout=0)
+        raise
 
 
 def _few(keys: Iterable, n: int = 40) -> str:

@@ -580,20 +580,17 @@ def test_worker_killed_once_is_retried(cluster, logdir, rlog):
 
 
 def test_task_that_always_kills_its_worker_fails_clearly(cluster, logdir):
-    """1 + raydag.retries attempts (3 by default, then 1 when configured), then a
-    WorkerDiedError naming the key and its category."""
+    """1 + raydag.retries attempts, then a WorkerDiedError naming the key and its
+    category. Each death costs about 5 s here (Ray notices, a new worker starts), so
+    the limit is 1, not the default 3; tests/test_state.py counts to any limit."""
+    assert dask.config.get("raydag.retries") == 3  # the documented default
     x = fragile_task(logdir, "fragile-2", die=99, fail=0)
-    with pytest.raises(raydag.WorkerDiedError) as info:
+    with dask.config.set({"raydag.retries": 1}), pytest.raises(raydag.WorkerDiedError) as info:
         dask.compute(x, scheduler=raydag.ray_get)
-    assert attempts(logdir, "fragile-2") == 1 + 3
+    assert attempts(logdir, "fragile-2") == 1 + 1
     msg = str(info.value)
     assert "'fragile-2'" in msg and "category 'fragile'" in msg, msg
     assert_stores_empty()
-
-    x = fragile_task(logdir, "fragile-2", die=99, fail=0)
-    with dask.config.set({"raydag.retries": 1}), pytest.raises(raydag.WorkerDiedError):
-        dask.compute(x, scheduler=raydag.ray_get)
-    assert attempts(logdir, "fragile-2") == 1 + 1
 
     # The annotation raises one task's limit above the configured one.
     with dask.annotate(retries=2):
