@@ -54,15 +54,16 @@ def tests(session: nox.Session) -> None:
 def tests_hep(session: nox.Session) -> None:
     """coffea + dask-awkward, which pin an older dask (2025.3.x).
 
-    Everything but the multi-node fault tests (marked ``cluster``), which the tests
-    session runs: they kill nodes under raydag's Ray layer, where the dask version
-    plays no part, and take half the suite's time. What does meet dask (graphs,
-    collections, the shuffle's rewrite, order, callbacks) runs on both stacks.
+    Everything but the multi-node fault tests (marked ``cluster``) and the tests of
+    raydag's Ray layer alone (``ray_only``: cancels, Ctrl-C, the notebook display),
+    which the tests session runs: the dask version plays no part in them, and they
+    take half the suite's time. What does meet dask (graphs, collections, the
+    shuffle's rewrite, order, callbacks) runs on both stacks.
     """
     session.install("-e", ".[test,hep]")
     ensure_chromium(session)
     session.run("python", "-c", "import dask, dask_awkward; print('dask', dask.__version__)")
-    args = session.posargs or ["-m", "not cluster"]
+    args = session.posargs or ["-m", "not cluster and not ray_only"]
     session.run("pytest", "-q", "-p", "no:cacheprovider", "--durations=15", *args)
 
 

@@ -15,7 +15,7 @@ nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("ipykernel")
 pytest.importorskip("ipywidgets")
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.ray_only, pytest.mark.timeout(300)]
 
 WIDGET = "application/vnd.jupyter.widget-view+json"
 

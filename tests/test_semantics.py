@@ -165,6 +165,7 @@ def stubborn(seconds, value):
     return value
 
 
+@pytest.mark.ray_only
 def test_cancelled_task_refs_are_held_until_it_ends(assert_store_empty):
     """Ray can leave a cancelled task's value pinned in the store for good when the
     driver drops its refs before it ends: raydag holds them until then, without
@@ -194,6 +195,7 @@ def test_cancelled_task_refs_are_held_until_it_ends(assert_store_empty):
 
 
 @pytest.mark.slow
+@pytest.mark.ray_only
 def test_cancels_never_abort_the_driver(assert_store_empty):
     """Ray 2.60 aborts a driver whose own ``ray.cancel`` meets the task's reply; raydag's
     cancels go by way of another process. 6,000 tiny tasks cancelled as they run and
@@ -492,6 +494,7 @@ CTRL_C_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
+@pytest.mark.ray_only
 def test_ctrl_c_interrupts_promptly(tmp_path):
     """SIGINT during a compute raises KeyboardInterrupt at once; the process then exits."""
     script = tmp_path / "ctrl_c.py"
