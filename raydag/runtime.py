@@ -896,7 +896,7 @@ def _outcome(meta_ref: ray.ObjectRef, value_refs: Sequence[ray.ObjectRef]) -> Ou
     (a line per value per worker death, on top of raydag's own warning)."""
     try:
         return ray.get(meta_ref)
-    except BaseException:
+    except Exception:
         for ref in value_refs:
             with contextlib.suppress(Exception):
                 ray.get(ref, timeout=0)

@@ -216,6 +216,54 @@ def test_cancels_never_abort_the_driver(assert_store_empty):
     assert_store_empty()
 
 
+WORKER_DEATH_SCRIPT = textwrap.dedent(
+    """
+    import gc, os, signal, sys, time
+    from functools import partial
+    import dask, numpy as np, raydag
+
+    def die_once(marker):
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return np.zeros(1000)
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    marker = sys.argv[1]
+    x = dask.delayed(partial(die_once, marker))(dask_key_name="die-once")
+    (got,) = dask.compute(x, scheduler=raydag.ray_get)
+    assert got.sum() == 0
+    with dask.config.set({"raydag.retries": 1}):
+        try:
+            dask.compute(dask.delayed(die)(dask_key_name="die-always"), scheduler=raydag.ray_get)
+        except raydag.WorkerDiedError:
+            print("RAISED WorkerDiedError", flush=True)
+    gc.collect()
+    time.sleep(1.0)  # Ray reports an unread error when its ref goes, from a thread
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.ray_only
+def test_worker_deaths_log_no_unhandled_errors(tmp_path):
+    """A failed Ray task's value refs hold its error too. raydag reads them, or Ray logs an
+    "Unhandled error" for each when it is dropped (this test failed on that before)."""
+    script = tmp_path / "deaths.py"
+    script.write_text(WORKER_DEATH_SCRIPT)
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "marker")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "RAISED WorkerDiedError" in out, out[-3000:]
+    assert "lost its worker process" in out, out[-3000:]  # the deaths did happen
+    assert "Unhandled error" not in out, out[-3000:]
+
+
 def test_function_missing_on_workers_is_a_clear_error(tmp_path, monkeypatch, caplog):
     """A module only the driver can import: say so at once, not "worker died" after retries."""
     (tmp_path / "driver_only_module.py").write_text("def f(x):\n    return x + 1\n")
