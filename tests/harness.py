@@ -72,10 +72,10 @@ class MultiNodeCluster:
             try:
                 self._start()
                 return self
-            except BaseException:
+            except BaseException as e:
                 self.__exit__(None, None, None)
                 _kill_leftovers(self.root)
-                if attempt == 2:
+                if attempt == 2 or not isinstance(e, Exception):  # Ctrl-C: no retry
                     raise
         raise AssertionError("unreachable")
 
