@@ -698,7 +698,7 @@ class Runner:
                 break
             lost.extend(held - still)
             held = still
-        if held:
+        if held and logger.isEnabledFor(logging.DEBUG):
             logger.debug("raydag: kept, read by running tasks: %s", _few(held))
         return lost
 
@@ -821,7 +821,8 @@ class Runner:
                     len(ins.recompute),
                     ins.reason,
                 )
-                logger.debug("raydag: wave %d lost %s", ins.wave, _few(ins.lost))
+                if logger.isEnabledFor(logging.DEBUG):  # a wave may lose thousands
+                    logger.debug("raydag: wave %d lost %s", ins.wave, _few(ins.lost))
         cancel(cancelled, self.force_cancel)
 
     def _spare(self, node: str) -> None:
