@@ -18,6 +18,15 @@ Contenders (each builds its collections under its own settings):
 | ``raydag tasks``     | raydag.ray_get     | ``tasks``                                   |
 | ``threads``          | dask threads       | dask's default without a Client: ``disk``   |
 | ``distributed p2p``  | LocalCluster       | ``p2p`` (2 worker processes x 1 thread)     |
+| ``no shuffle``       | raydag.ray_get     | none: a bound, see below                    |
+
+``no shuffle`` is not a shuffle: it builds raydag's graph with each output partition
+being input partition j passed through (no map, no pieces), every other task the same
+(the divisions pass, the key column, the sort, the checksum). No rows move, so a merge
+matches only the keys that happen to share a partition (fewer rows after it: less
+work), and its checksums are not compared. Its time is what the rest of the workload
+takes under raydag: no shuffle implementation can take less. ``tasks / no shuffle`` is
+then the most that any shuffle could gain over the tasks method on this workload.
 
 With ``--in-flight 2`` (the default), both raydag contenders also run with two Ray
 tasks in flight per CPU instead of raydag's default one. With ``--inputs-per-map 1``
@@ -111,6 +120,35 @@ def raydag_shuffle(in_flight: float = 1.0, per_map: int | str = "auto") -> Itera
         ),
     ):
         yield {"scheduler": raydag.ray_get}
+
+
+def _pass(df: pd.DataFrame, ignore_index: bool) -> pd.DataFrame:
+    return df.reset_index(drop=True) if ignore_index else df
+
+
+@contextlib.contextmanager
+def no_shuffle() -> Iterator[dict]:
+    """raydag's shuffle with its maps and pieces taken out: output j is input j."""
+    from dask._task_spec import Task, TaskRef
+
+    from raydag.shuffle_expr import RaydagShuffle
+
+    def layer(self: RaydagShuffle) -> dict:
+        nin = self.frame.npartitions
+        return {
+            (self._name, out): Task(
+                (self._name, out), _pass, TaskRef((self.frame._name, j % nin)), self.ignore_index
+            )
+            for out, j in enumerate(self._partitions)
+        }
+
+    original = RaydagShuffle._layer
+    RaydagShuffle._layer = layer
+    try:
+        with raydag_shuffle() as opts:
+            yield opts
+    finally:
+        RaydagShuffle._layer = original
 
 
 @contextlib.contextmanager
@@ -231,6 +269,9 @@ def run_one(name: str, build: Callable[[], dd.DataFrame], ctx: Any, on_ray: bool
     }
 
 
+BOUND = "no shuffle"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=10_000_000)
@@ -270,6 +311,7 @@ def main() -> None:
         "raydag tasks": (raydag_tasks, True),
         "threads": (threads, False),
         "distributed p2p": (lambda: p2p(args.workers), False),
+        "no shuffle": (no_shuffle, True),
     }
     for f in args.in_flight:  # raydag's Ray tasks in flight per CPU (default 1)
         contenders[f"raydag, {f:g} per CPU"] = (functools.partial(raydag_shuffle, f), True)
@@ -301,7 +343,9 @@ def main() -> None:
             runs = results[(wname, cname)]
             sec = statistics.median(x["seconds"] for x in runs)
             r = runs[-1]
-            if sums is None:
+            if cname == BOUND:  # other rows: not compared
+                pass
+            elif sums is None:
                 sums = r["sums"]
             else:  # every contender computes the same rows and sums
                 pd.testing.assert_series_equal(r["sums"], sums, rtol=1e-6)
@@ -333,7 +377,24 @@ def main() -> None:
             rows,
         )
     )
-    print("all contenders computed the same rows and checksums")
+    print(f"all contenders computed the same rows and checksums ({BOUND!r} aside)")
+    bounds = {}
+    for wname in full:
+        med = {
+            c: statistics.median(x["seconds"] for x in results[(wname, c)])
+            for c in ("raydag", "raydag tasks", BOUND)
+            if (wname, c) in results
+        }
+        if len(med) == 3:
+            bounds[wname] = {
+                "tasks / raydag": med["raydag tasks"] / med["raydag"],
+                "tasks / no shuffle": med["raydag tasks"] / med[BOUND],
+            }
+            print(
+                f"{wname}: the tasks method took {bounds[wname]['tasks / raydag']:.2f}x "
+                f"raydag's shuffle; {bounds[wname]['tasks / no shuffle']:.2f}x the workload "
+                "without a shuffle, the most any shuffle could gain over it here"
+            )
     print(
         "task work s: the Ray tasks' own execution time in the timed computes (raydag's "
         "records; set_index's divisions pass included); over the CPUs, a floor under any "
@@ -344,6 +405,7 @@ def main() -> None:
             args.json,
             {
                 **meta,
+                "bounds": bounds,
                 "results": {
                     f"{w}/{c}": [{k: v for k, v in x.items() if k != "sums"} for x in runs]
                     for (w, c), runs in results.items()
