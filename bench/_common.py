@@ -68,6 +68,7 @@ def ray_settings() -> dict[str, Any]:
         "free_objects_period": config.get("local-ray.free-objects-period"),
         "in_flight_per_cpu": config.get("scheduling.in-flight-per-cpu"),
         "fusion": config.get("fusion.enabled"),
+        "fusion_max_task": config.get("fusion.max-task-duration"),
     }
 
 
