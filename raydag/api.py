@@ -72,6 +72,8 @@ def ray_get(dsk: Any, keys: Any, callbacks: Any = None, **kwargs: Any) -> Any:
     try:
         refs = [ref for ref, _ in outputs.values()]
         values = {k: own(v) for k, v in zip(outputs, runtime.ray.get(refs), strict=True)}
+    except runtime.ray.exceptions.RayError as e:  # an output lost since: see ``frameless``
+        raise runtime.frameless(e)  # noqa: B904  (the same error, without Ray's frames)
     finally:
         outputs.clear()
         del refs

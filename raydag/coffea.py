@@ -9,7 +9,6 @@ coffea: ``import raydag`` works without it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import deque
@@ -209,9 +208,11 @@ class _Run:
             if error is None:
                 return True
         except rex.RayError as e:  # the worker or node died more than Ray retries, cancelled
-            with contextlib.suppress(Exception):  # read, so Ray does not log it as unhandled
+            try:  # read, so Ray does not log it as unhandled
                 ray.get(out, timeout=0)
-            error = e.with_traceback(None)  # Ray's frames: they would hold this run's refs
+            except Exception as again:
+                runtime.frameless(again)
+            error = runtime.frameless(e)  # Ray's frames would hold this run's refs
         if self.error is not None:  # cancelled or failed after the first failure
             logger.debug("after the first failure: %s", item)
             return False

@@ -584,7 +584,8 @@ class Runner:
                 continue
             try:
                 outcome = ray.get(ref, timeout=0)
-            except Exception:
+            except Exception as e:
+                frameless(e)
                 continue
             if getattr(outcome, "error", True) is not None:
                 continue
@@ -632,7 +633,7 @@ class Runner:
         try:
             notes = ray.get(self._drain)
         except ray.exceptions.RayError as e:  # the inbox restarts; notes are lost
-            logger.warning("raydag: the inbox of start notes failed: %s", e)
+            logger.warning("raydag: the inbox of start notes failed: %s", frameless(e))
             notes = []
         self._drain = None
         for run, (group, serial), node, t in notes:
@@ -706,44 +707,9 @@ class Runner:
         """What one finished Ray task means, as state machine events."""
         sub, value_refs = self.pending.pop(meta_ref)
         del self.by_group[sub.group]
-        try:
-            outcome: Outcome = _outcome(meta_ref, value_refs)
-        except rex.TaskUnschedulableError as e:  # a duplicate's node died before it ran
-            logger.warning("raydag: the node for a copy of %r is gone", sub.root)
-            return [TaskErred(sub.group, sub.root, e, node_lost=True)]
-        except NODE_DIED as e:
-            logger.warning("raydag: the node running %r died; retrying it%s", sub.root, _with(sub))
-            self._watch_cluster()
-            return [TaskErred(sub.group, sub.root, e, node_lost=True)]
-        except WORKER_DIED as e:
-            if isinstance(e, rex.RayTaskError):  # e.g. RaySystemError: cannot unpickle the
-                cause = e.cause if isinstance(e.cause, BaseException) else e  # task: no retry
-                return [TaskErred(sub.group, sub.root, cause)]
-            logger.warning(
-                "raydag: %r lost its worker process (%s)%s", sub.root, type(e).__name__, _with(sub)
-            )
-            return [TaskErred(sub.group, sub.root, e, retryable=True)]
-        except INPUT_LOST as e:
-            logger.warning("raydag: an input of %r is lost (%s)", sub.root, type(e).__name__)
-            self._watch_cluster()
-            # Ray names the input it could not get: believe it over the locations, since
-            # the error Ray stores in place of a lost object is copied to its readers.
-            named = getattr(getattr(e, "cause", None) or e, "object_ref_hex", None)
-            culprits = [k for k in sub.inputs if named and self._hex(k) == named]
-            # Ray may know of the loss before the cluster reports the node dead: then
-            # everything on that node is gone too, and goes in this one wave.
-            suspects = {self.node_of.get(k) for k in culprits} - {None} - self.gone
-            if suspects:
-                logger.warning("raydag: node %s lost a value: taking it for dead",
-                               ", ".join(sorted(n[:12] for n in suspects)))  # fmt: skip
-                self.gone |= suspects
-            lost = self._lost(also=sub.inputs, ended={sub.group})
-            lost += [k for k in culprits if k not in lost]
-            events: list = [ResultsLost(tuple(lost), f"input of {sub.root!r} lost")] if lost else []
-            return [*events, TaskErred(sub.group, sub.root, e, node_lost=True)]
-        except rex.RayTaskError as e:  # failed outside the user's code (e.g. arguments)
-            cause = e.cause if isinstance(e.cause, BaseException) else e
-            return [TaskErred(sub.group, sub.root, cause)]
+        outcome = _outcome(meta_ref, value_refs)
+        if isinstance(outcome, Exception):
+            return self._ray_erred(sub, outcome)
         if outcome.error is not None:
             return [TaskErred(sub.group, outcome.error_key, unpack_exception(outcome.error))]
         sizes = outcome.sizes or [outcome.nbytes]
@@ -768,6 +734,48 @@ class Runner:
                 tuple(sizes) if len(sub.kept) > 1 else (),
             )
         ]
+
+    def _ray_erred(self, sub: Submit, e: Exception) -> list:
+        """What Ray's error for a Ray task means (the user's own errors come in its
+        Outcome): a node or a worker process died, an input is lost, or the task could
+        not run at all."""
+        if isinstance(e, rex.TaskUnschedulableError):  # a duplicate's node died before it ran
+            logger.warning("raydag: the node for a copy of %r is gone", sub.root)
+            return [TaskErred(sub.group, sub.root, e, node_lost=True)]
+        if isinstance(e, NODE_DIED):
+            logger.warning("raydag: the node running %r died; retrying it%s", sub.root, _with(sub))
+            self._watch_cluster()
+            return [TaskErred(sub.group, sub.root, e, node_lost=True)]
+        if isinstance(e, WORKER_DIED):
+            if isinstance(e, rex.RayTaskError):  # e.g. RaySystemError: cannot unpickle the
+                cause = e.cause if isinstance(e.cause, BaseException) else e  # task: no retry
+                return [TaskErred(sub.group, sub.root, cause)]
+            logger.warning(
+                "raydag: %r lost its worker process (%s)%s", sub.root, type(e).__name__, _with(sub)
+            )
+            return [TaskErred(sub.group, sub.root, e, retryable=True)]
+        if isinstance(e, INPUT_LOST):
+            logger.warning("raydag: an input of %r is lost (%s)", sub.root, type(e).__name__)
+            self._watch_cluster()
+            # Ray names the input it could not get: believe it over the locations, since
+            # the error Ray stores in place of a lost object is copied to its readers.
+            named = getattr(getattr(e, "cause", None) or e, "object_ref_hex", None)
+            culprits = [k for k in sub.inputs if named and self._hex(k) == named]
+            # Ray may know of the loss before the cluster reports the node dead: then
+            # everything on that node is gone too, and goes in this one wave.
+            suspects = {self.node_of.get(k) for k in culprits} - {None} - self.gone
+            if suspects:
+                logger.warning("raydag: node %s lost a value: taking it for dead",
+                               ", ".join(sorted(n[:12] for n in suspects)))  # fmt: skip
+                self.gone |= suspects
+            lost = self._lost(also=sub.inputs, ended={sub.group})
+            lost += [k for k in culprits if k not in lost]
+            events: list = [ResultsLost(tuple(lost), f"input of {sub.root!r} lost")] if lost else []
+            return [*events, TaskErred(sub.group, sub.root, e, node_lost=True)]
+        if isinstance(e, rex.RayTaskError):  # failed outside the user's code (e.g. arguments)
+            cause = e.cause if isinstance(e.cause, BaseException) else e
+            return [TaskErred(sub.group, sub.root, cause)]
+        raise e
 
     def _step(self, event: Event | None, quiet: bool = False) -> None:
         """One transition: the event in (``None`` to start), its instructions out.
@@ -891,17 +899,40 @@ def _with(sub: Submit) -> str:
     return f" (with {', '.join(map(repr, others))} in its Ray task)" if others else ""
 
 
-def _outcome(meta_ref: ray.ObjectRef, value_refs: Sequence[ray.ObjectRef]) -> Outcome:
-    """``ray.get`` of a Ray task's outcome. When the task failed, its value refs hold the
-    error too: read them, or Ray logs each as an "Unhandled error" when it is dropped
-    (a line per value per worker death, on top of raydag's own warning)."""
+def _outcome(meta_ref: ray.ObjectRef, value_refs: Sequence[ray.ObjectRef]) -> Outcome | Exception:
+    """``ray.get`` of a Ray task's outcome, or Ray's error for it (see ``frameless``).
+    When the task failed, its value refs hold the error too: read them, or Ray logs each
+    as an "Unhandled error" when it is dropped (a line per value per worker death, on
+    top of raydag's own warning)."""
     try:
         return ray.get(meta_ref)
-    except Exception:
+    except Exception as e:
         for ref in value_refs:
-            with contextlib.suppress(Exception):
+            try:
                 ray.get(ref, timeout=0)
-        raise
+            except Exception as again:
+                frameless(again)
+        return frameless(e)
+
+
+def frameless(e: BaseException) -> BaseException:
+    """``e`` without its traceback, nor those of the errors it chains to.
+
+    ``ray.get`` raises an error it holds in a local variable: the error and that frame
+    refer to each other, a cycle only the garbage collector frees. The frames hold the
+    refs they were given, and so the objects stay in the store until a collection runs,
+    or for as long as a caller keeps the error (a notebook keeps the last one). They
+    are Ray's and raydag's frames on the driver, which tell a user nothing.
+    """
+    todo, seen = [e], set()
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        x.__traceback__ = None
+        todo += [x.__context__, x.__cause__]
+    return e
 
 
 def _few(keys: Iterable, n: int = 40) -> str:

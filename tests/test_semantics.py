@@ -156,6 +156,54 @@ def test_a_kept_error_keeps_no_ref(fail, assert_store_empty):
         gc.enable()
 
 
+def kill_my_worker_once(marker, x):
+    """SIGKILL of its own worker process the first time (as the OOM killer does)."""
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x
+
+
+def kill_my_worker(x):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("always", [False, True], ids=["retried", "kept-error"])
+def test_a_dead_worker_keeps_no_ref(always, tmp_path, assert_store_empty):
+    """Ray raises a dead worker's error from a frame that holds it, with the task's refs:
+    a cycle only garbage collection frees. Neither a retried task nor a kept error may
+    keep the compute's refs or objects (the CI found it when a forced cancel killed a
+    reused worker)."""
+    d = dask.delayed
+    inputs = [d(big)(i) for i in range(3)]
+    marker = str(tmp_path / "marker")
+    dead = d(kill_my_worker)(inputs[0]) if always else d(kill_my_worker_once)(marker, inputs[0])
+    out = d(sum)([d(np.sum)(dead), *inputs[1:]])
+    before = _driver_refs()
+    gc.disable()
+    try:
+        with dask.config.set(
+            {"raydag.retries": 0 if always else 1, "raydag.fusion.enabled": False}
+        ):
+            if always:
+                with pytest.raises(raydag.WorkerDiedError) as info:
+                    dask.compute(out, scheduler=raydag.ray_get)
+                kept = info.value
+            else:
+                (got,) = dask.compute(out, scheduler=raydag.ray_get)
+                assert got.shape == (50_000,)
+                del got
+        deadline = time.monotonic() + 3
+        while (left := _driver_refs() - before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"the driver still holds {len(left)} refs of the compute"
+        assert_store_empty()
+        if always:
+            assert isinstance(kept.__cause__, ray.exceptions.WorkerCrashedError)
+    finally:
+        gc.enable()
+
+
 def stubborn(seconds, value):
     """Goes on after a (non-forced) cancel, as code in C that never checks for signals would."""
     end = time.monotonic() + seconds
