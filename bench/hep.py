@@ -11,7 +11,7 @@ parquet written with dask_awkward.to_parquet, a hist.dask histogram) run by
   coffea futures    processor.Runner(FuturesExecutor(workers=CPUs)): coffea's own local pool
   coffea RayExecutor processor.Runner(raydag.coffea.RayExecutor())
 
-on one embedded Ray (``raydag.runtime.connect()``). Each contender runs a small warm-up
+on one embedded Ray (``raydag.connect()``). Each contender runs a small warm-up
 (one file: Ray's workers start and import coffea), then ``--repeats`` timed runs,
 contenders interleaved round by round. Peak
 RSS is sampled every 0.1 s over the driver's whole process tree (its Ray workers,
@@ -52,7 +52,7 @@ from ray.util.dask import ray_dask_get
 
 import raydag
 from raydag import runtime
-from raydag.stores import StoreSampler, shared_reader
+from raydag.runtime.stores import StoreSampler, shared_reader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import hep_skim  # noqa: E402

@@ -5,7 +5,7 @@ elementwise steps (each a separate task making a new 25 MiB array), reduces it t
 scalar, and one final task sums the 40 scalars (201 dask tasks, 1 GiB of arrays made
 in all). Every array is an object in Ray's store; only a handful need to exist at once.
 
-Memory is what the raylets report: ``raydag.stores.StoreSampler`` reads every node's
+Memory is what the raylets report: ``raydag.runtime.stores.StoreSampler`` reads every node's
 store stats every ``--interval`` seconds (0.02 by default) and keeps the peak of the sum
 over nodes. The contenders alternate, ``--repeats`` runs each (2 by default), because the
 machine is shared and one run says little.
@@ -14,7 +14,7 @@ After each compute returns, the store is read at once, again after 0.25 s (still
 any ``gc.collect()``), and after ``gc.collect()``: ray_dask_get leaves objects behind
 through a reference cycle (ray-project/ray#36653) that only the collector breaks.
 
-The embedded Ray (``raydag.runtime.connect()``, shared by both contenders) frees released
+The embedded Ray (``raydag.connect()``, shared by both contenders) frees released
 objects every 20 ms (``free_objects_period_milliseconds``; Ray's default is 1 s), so a
 released object leaves the store quickly under either contender. ``--default-free-period``
 starts Ray with the default 1 s instead.
@@ -37,7 +37,8 @@ import numpy as np
 from ray.util.dask import ray_dask_get
 
 import raydag
-from raydag import runtime, stores
+from raydag import runtime
+from raydag.runtime import stores
 
 MiB = 2**20
 ARRAY_BYTES = 25 * MiB
@@ -166,7 +167,7 @@ def main() -> None:
     if args.default_free_period:
         dask.config.set({"raydag.local-ray.free-objects-period": "1s"})
     runtime.connect()
-    cpus = int(sum(runtime.alive_nodes().values()))
+    cpus = int(sum(runtime.cluster.alive_nodes().values()))
     need = strict_need(cpus)
     settings = _common.ray_settings()
     info = _common.print_header(

@@ -1,7 +1,7 @@
 """Scheduling overhead: dask tasks per second on graphs of tiny tasks.
 
 Two graphs, each handed to five contenders on one embedded local Ray (started by
-``raydag.runtime.connect()``, so raydag's Ray settings apply to all of them):
+``raydag.connect()``, so raydag's Ray settings apply to all of them):
 
   chains  100 chains of 50 ``inc`` tasks and one final ``sum`` (dask.delayed, 5,001 tasks)
   array   ``da.ones(5000, chunks=1).sum()`` (5,000 leaf sums, a tree of partial sums)
@@ -278,7 +278,7 @@ def main() -> None:
     print()
     print("x ray_dask_get, x raw Ray: that contender's median seconds / this one's (>1: faster)")
     if args.record:
-        raydag.record.flush()
+        raydag.observe.record.flush()
         shutil.rmtree(record_dir, ignore_errors=True)
         print()
         print("run record cost, median over 'raydag record off' (positive: slower):")

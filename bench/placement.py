@@ -33,7 +33,7 @@ import numpy as np
 from ray.util.dask import ray_dask_get
 
 import raydag
-from raydag.stores import StoreSampler
+from raydag.runtime.stores import StoreSampler
 
 TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
 sys.path.insert(0, os.path.abspath(TESTS))

@@ -58,10 +58,10 @@ import psutil
 from _common import print_header, ray_settings, table, write_json
 
 import raydag
-import raydag.record
+import raydag.observe.record
 import raydag.runtime
 import raydag.shuffle
-from raydag.stores import StoreSampler, shared_reader
+from raydag.runtime.stores import StoreSampler, shared_reader
 
 
 def make_part(i: int, rows: int, keys: int, seed: int) -> pd.DataFrame:
@@ -134,7 +134,7 @@ def no_shuffle() -> Iterator[dict]:
     """raydag's shuffle with its maps and pieces taken out: output j is input j."""
     from dask._task_spec import Task, TaskRef
 
-    from raydag.shuffle_expr import RaydagShuffle
+    from raydag.shuffle.expr import RaydagShuffle
 
     def layer(self: RaydagShuffle) -> dict:
         nin = self.frame.npartitions
@@ -241,7 +241,7 @@ def run_one(name: str, build: Callable[[], dd.DataFrame], ctx: Any, on_ray: bool
         if on_ray:
             with (
                 StoreSampler(0.1, reader=shared_reader()) as sampler,
-                raydag.record.collecting() as runs,
+                raydag.observe.record.collecting() as runs,
             ):
                 result = x.compute(**opts)
             peak = sampler.peak_total_used
@@ -297,7 +297,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
-    raydag.runtime.connect()
+    raydag.connect()
     meta = print_header(
         "dask.dataframe shuffles",
         {

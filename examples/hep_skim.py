@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     from raydag.coffea import RayExecutor
 
     files = make_dataset(args.out / "data", args.files, args.events)
-    raydag.runtime.connect()
+    raydag.connect()
     ctx = ray.get_runtime_context()
     logger.info(
         "cluster: gcs %s, job %s, %s CPUs",

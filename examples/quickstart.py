@@ -44,7 +44,7 @@ def main() -> None:
     per_run, spread = analysis()
 
     t0 = time.perf_counter()
-    raydag.runtime.connect()  # the embedded local Ray, unless RAY_ADDRESS names a cluster
+    raydag.connect()  # the embedded local Ray, unless RAY_ADDRESS names a cluster
     t_start = time.perf_counter() - t0
 
     # One collection type per compute: dask warns when expressions and graphs mix.

@@ -1,17 +1,20 @@
-"""raydag: run dask graphs on Ray, keeping only what is still needed."""
+"""raydag: a Ray execution backend for dask graphs."""
 
 from __future__ import annotations
 
 from raydag import config as _config  # noqa: F401  (registers raydag.* defaults)
+from raydag import shuffle as _shuffle  # noqa: F401  (registers its bundles)
 from raydag.api import get, persist, ray_get
-from raydag.graph import GraphError
-from raydag.record import last_run
-from raydag.report import performance_report
-from raydag.state import WorkerDiedError
+from raydag.core.events import WorkerDiedError
+from raydag.core.graph import GraphError
+from raydag.observe.record import last_run
+from raydag.observe.report import performance_report
+from raydag.runtime.cluster import connect
 
 __all__ = [
     "GraphError",
     "WorkerDiedError",
+    "connect",
     "get",
     "last_run",
     "performance_report",

@@ -24,8 +24,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
-    from raydag.record import RunRecord
-    from raydag.report import write_report
+    from raydag.observe.record import RunRecord
+    from raydag.observe.report import write_report
 
     try:
         records = [RunRecord.load(d) for d in args.run_dirs]

@@ -31,7 +31,7 @@ import ray
 from dask._task_spec import Task, TaskRef
 from harness import MultiNodeCluster
 
-from raydag.stores import StoreStats, store_stats
+from raydag.runtime.stores import StoreStats, store_stats
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 MiB = 2**20

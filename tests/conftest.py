@@ -12,7 +12,7 @@ import pytest
 import ray
 
 import raydag.runtime
-from raydag.stores import store_stats
+from raydag.runtime.stores import store_stats
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -25,10 +25,10 @@ def _start_local_ray() -> None:
     try:
         with dask.config.set({"raydag.local-ray.num-cpus": 2}):
             try:
-                raydag.runtime.connect()
+                raydag.connect()
             except Exception:  # a raylet can time out starting on a loaded machine: once more
                 ray.shutdown()
-                raydag.runtime.connect()
+                raydag.connect()
     finally:
         if old_path is None:
             os.environ.pop("PYTHONPATH", None)

@@ -11,19 +11,19 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from raydag.record import Recorder, RunRecord
-from raydag.state import (
+from raydag.core.events import (
     Cancel,
-    CapacityChanged,
+    CpusChanged,
     Fail,
-    Fusion,
-    ResultsLost,
-    State,
+    NodeDied,
     Submit,
     TaskErred,
     TaskFinished,
 )
-from raydag.stores import Sample
+from raydag.core.fusion import Fusion
+from raydag.core.state import State
+from raydag.observe.record import Recorder, RunRecord
+from raydag.runtime.stores import Sample
 
 WALL0 = 1_700_000_000.0
 NODES = {"a" * 56: 2.0, "b" * 56: 2.0}
@@ -52,7 +52,7 @@ def duration(key) -> float:
 
 @dataclass
 class Running:
-    group: int
+    copy: int
     keys: tuple
     node: str
     worker: int
@@ -86,7 +86,7 @@ class Sim:
         self.free = [(n, 100 * k + w) for k, n in enumerate(NODES) for w in range(2)]
         self.running: dict[int, Running] = {}
         self.queue: list[Submit] = []
-        self.done: list[tuple[float, int]] = []  # (end time, group)
+        self.done: list[tuple[float, int]] = []  # (end time, copy)
         self.samples: list[Sample] = []
 
     def step(self, event) -> None:
@@ -96,7 +96,7 @@ class Sim:
             if isinstance(ins, Submit):
                 self.submit(ins)
             elif isinstance(ins, Cancel):
-                r = self.running.pop(ins.group, None)
+                r = self.running.pop(ins.copy, None)
                 if r is not None:
                     self.release(r.node, r.worker)
 
@@ -113,17 +113,17 @@ class Sim:
         """Start queued Ray tasks on free worker processes, as Ray would."""
         while self.queue and self.free:
             sub = self.queue.pop(0)
-            if sub.group not in self.state.groups and sub.group != 10_000:
+            if sub.copy not in self.state.copies and sub.copy != 10_000:
                 continue  # cancelled before it started
             node, worker = self.free.pop(0)
-            r = Running(sub.group, sub.keys, node, worker, self.t + 0.01)
-            self.running[sub.group] = r
+            r = Running(sub.copy, sub.keys, node, worker, self.t + 0.01)
+            self.running[sub.copy] = r
             end = r.start + sum(duration(k) for k in sub.keys)
-            heapq.heappush(self.done, (end, sub.group))
+            heapq.heappush(self.done, (end, sub.copy))
 
     def sample(self) -> None:
         for n in self.alive:
-            held = sum(1 for k, v in self.state.where.items() if v == n)
+            held = len(self.state.held_on(n))
             self.samples.append(
                 Sample(self.rec.mono0 + self.t, n, held * 8 * 2**20, 512 * 2**20, 0, held)
             )
@@ -151,9 +151,9 @@ class Sim:
                 self.release(r.node, r.worker)
                 error = RuntimeError("flaky: the worker died")
                 if self.fail:
-                    self.step(TaskErred(gid, r.keys[-1], ValueError("bad input"), retryable=False))
+                    self.step(TaskErred(gid, r.keys[-1], ValueError("bad input")))
                     break
-                self.step(TaskErred(gid, r.keys[-1], error, retryable=True))
+                self.step(TaskErred(gid, r.keys[-1], error, worker_died=True))
                 continue
             if self.duplicate and r.keys[-1] == ("combine", 2):
                 self.duplicate = False
@@ -169,11 +169,11 @@ class Sim:
         return record
 
     def finish(self, r: Running) -> None:
-        self.running.pop(r.group)
+        self.running.pop(r.copy)
         self.release(r.node, r.worker)
         durations = {k: duration(k) for k in r.keys}
         started = self.wall + r.start
-        self.step(TaskFinished(r.group, durations, 8 * 2**20, r.node, started, r.worker))
+        self.step(TaskFinished(r.copy, durations, 8 * 2**20, r.node, started, r.worker))
 
     def speculate(self, r: Running) -> None:
         """What a speculative copy that wins looks like in the transcript.
@@ -183,15 +183,17 @@ class Sim:
         first runs, the copy finishing first, the original cancelled.
         """
         key = r.keys[-1]
-        copy = Submit(10_000, r.keys, tuple(self.state.dependencies[key]), 0, None)
+        group = self.state.copies[r.copy].id
+        inputs = tuple(self.state.tasks[key].dependencies)
+        copy = Submit(10_000, group, r.keys, inputs, 0, None, duplicate=True)
         self.rec.transcript.append((self.t - 0.16, None, [copy]))
-        self.running.pop(r.group)
+        self.running.pop(r.copy)
         started = self.wall + self.t - 0.15
-        finished = TaskFinished(r.group, {key: 0.15}, 8 * 2**20, NODE_A, started, 1)
+        finished = TaskFinished(r.copy, {key: 0.15}, 8 * 2**20, NODE_A, started, 1)
         out = self.state.handle(finished)  # the state machine takes the copy's value
         self.rec(
             TaskFinished(10_000, {key: 0.15}, 8 * 2**20, NODE_A, started, 1),
-            [Cancel(r.group), *out],
+            [Cancel(r.copy), *out],
         )
         self.release(r.node, r.worker)
         for ins in out:
@@ -204,9 +206,6 @@ class Sim:
         for gid, r in list(self.running.items()):
             if r.node == node:
                 self.running.pop(gid)
-                self.step(TaskErred(gid, r.keys[-1], RuntimeError("node died"), node_lost=True))
-        lost = tuple(
-            k for k, v in self.state.where.items() if v == node and self.state.state[k] == "memory"
-        )
-        self.step(ResultsLost(lost, f"node died: {node[:12]}"))
-        self.step(CapacityChanged(2))
+                self.step(TaskErred(gid, r.keys[-1], RuntimeError("node died"), node_died=True))
+        self.step(NodeDied(node, f"node died: {node[:12]}"))  # the state machine finds the losses
+        self.step(CpusChanged(2))

@@ -18,8 +18,8 @@ import workloads
 from chaos import Clusters, assert_stores_empty, ensure_nodes
 
 import raydag
-from raydag.record import SUBMITTED
-from raydag.stores import StoreSampler, store_stats
+from raydag.observe.record import SUBMITTED
+from raydag.runtime.stores import StoreSampler, store_stats
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
 

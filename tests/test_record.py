@@ -20,8 +20,8 @@ from dask.diagnostics import ProgressBar
 from simrun import NODE_A, NODE_B, WALL0, Sim
 
 import raydag
-from raydag import record
-from raydag.record import EVENT_COLUMNS, STORE_COLUMNS, RunRecord
+from raydag.observe import record
+from raydag.observe.record import EVENT_COLUMNS, STORE_COLUMNS, RunRecord
 
 # ---- a simulated run with faults ------------------------------------------------------
 
@@ -35,7 +35,7 @@ def test_every_task_finishes_once_per_execution(simulated):
     ev = simulated.events
     assert list(ev.columns) == [c for c, _, _ in EVENT_COLUMNS]
     finished = ev[ev.event == "finished"]
-    assert set(finished.key) == {str(k) for k in Sim().state.dependencies}
+    assert set(finished.key) == {str(k) for k in Sim().state.tasks}
     # each execution has a start row, on the same worker, before its finish
     started = ev[ev.event == "started"].set_index(["group", "attempt", "key"])
     for _, row in finished.iterrows():

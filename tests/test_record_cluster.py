@@ -16,7 +16,7 @@ import pytest
 from harness import MultiNodeCluster
 
 import raydag
-from raydag.record import RunRecord
+from raydag.observe.record import RunRecord
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -70,7 +70,7 @@ def test_record_shows_node_loss_and_recovery(tmp_path):
         with dask.config.set({"raydag.record.directory": str(runs)}):
             (total,) = dask.compute(x, scheduler=raydag.ray_get)
         killer.join()
-    raydag.record.flush()
+    raydag.observe.record.flush()
     assert total == sum(i * 200_000 for i in range(N_LOADS))
     assert len(killed) == 1
     dead = killed[0]

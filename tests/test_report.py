@@ -21,8 +21,8 @@ import pytest
 from simrun import WALL0, Sim
 
 import raydag
-from raydag.record import RunRecord
-from raydag.report import write_report
+from raydag.observe.record import RunRecord
+from raydag.observe.report import write_report
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 FLAGS = [

@@ -218,7 +218,7 @@ def test_cancelled_task_refs_are_held_until_it_ends(assert_store_empty):
     """Ray can leave a cancelled task's value pinned in the store for good when the
     driver drops its refs before it ends: raydag holds them until then, without
     holding up the error."""
-    from raydag.runtime import _graveyard
+    from raydag.runtime.graveyard import graveyard as _graveyard
 
     d = dask.delayed
     # two worker processes up first: on a cold Ray the error waits for them, not the task

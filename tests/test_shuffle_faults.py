@@ -38,8 +38,8 @@ from chaos import (
 
 import raydag
 import raydag.shuffle
+from raydag.runtime.stores import store_stats
 from raydag.shuffle import MAP, PIECE
-from raydag.stores import store_stats
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(400)]
 

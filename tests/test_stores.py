@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import ray
 
-from raydag import stores
+from raydag.runtime import stores
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

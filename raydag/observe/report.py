@@ -26,12 +26,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raydag import record as _record
+from raydag.observe import record as _record
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from raydag.record import RunRecord
+    from raydag.observe.record import RunRecord
 
 logger = logging.getLogger(__name__)
 

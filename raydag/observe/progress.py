@@ -20,17 +20,9 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from raydag import config
-from raydag.state import (
-    PROCESSING,
-    READY,
-    WAITING,
-    Event,
-    Instruction,
-    Recover,
-    State,
-    TaskErred,
-    TaskFinished,
-)
+from raydag.core.events import Event, Instruction, Recover, TaskErred, TaskFinished
+from raydag.core.records import PROCESSING, READY, WAITING
+from raydag.core.state import State
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +91,7 @@ class Progress:
         self.done = 0
         self.failed = 0
         self.recomputed = 0
+        self.recovering: set = set()  # keys of recovery waves not finished since
         self.store_used: int | None = None
         self.store_capacity: int | None = None
         self._last = 0.0
@@ -109,14 +102,17 @@ class Progress:
         cls = type(event)
         if cls is TaskFinished:
             self.done += len(event.durations)
+            if self.recovering:
+                self.recovering.difference_update(event.durations)
         elif event is None:
             self._open()
         else:
-            if cls is TaskErred and not event.node_lost:  # a lost node is no task's failure
+            if cls is TaskErred and not event.node_died:  # a lost node is no task's failure
                 self.failed += 1
             for ins in instructions:
                 if type(ins) is Recover:
                     self.recomputed += len(ins.recompute)
+                    self.recovering.update(ins.recompute)
                     if self._bar is not None:
                         self._bar.total += len(ins.recompute)
         now = time.monotonic()
@@ -130,8 +126,9 @@ class Progress:
         self.store_capacity = sum(s.capacity_bytes for s in stats.values())
 
     def _open(self) -> None:
-        s = self.state.state
-        todo = sum(1 for v in s.values() if v in (WAITING, READY, PROCESSING))
+        todo = sum(
+            1 for ts in self.state.tasks.values() if ts.state in (WAITING, READY, PROCESSING)
+        )
         args = {k: v for k, v in self._bar_args.items() if v is not None}
         args.update(total=todo, unit="task", dynamic_ncols=True, leave=True)
         try:
@@ -152,8 +149,8 @@ class Progress:
         parts = [f"running {running}"]
         if self.failed:
             parts.append(f"failed {self.failed}")
-        if st.recovering:
-            parts.append(f"recovering {len(st.recovering)}")
+        if self.recovering:
+            parts.append(f"recovering {len(self.recovering)}")
         if self.store_used is not None:
             parts.append(f"stores {_bytes(self.store_used)}/{_bytes(self.store_capacity or 0)}")
         return ", ".join(parts)

@@ -15,7 +15,7 @@ graph (it computes under any scheduler, ``sync`` included):
 raydag recognises the maps by their key name and runs each map with its pieces as
 one Ray task returning each piece as its own object (``num_returns``): N/k + M Ray
 tasks, each reducer fetching only its pieces. A lost piece is recomputed by running
-its map again, keeping only the lost pieces (see ``raydag.state``, bundles).
+its map again, keeping only the lost pieces (see ``raydag.core.bundles``).
 
 Turn it on with ``raydag.shuffle.enable()`` before building collections (dask
 resolves the shuffle method while optimising, and drop_duplicates/unique when the
@@ -31,6 +31,7 @@ from typing import Any
 import dask
 
 from raydag import config
+from raydag.core import bundles as _bundles
 
 METHOD = "raydag"
 MAP = "raydag-shuffle-map-"
@@ -47,10 +48,12 @@ def _name(key: Key) -> str | None:
     return key[0] if isinstance(key, tuple) and key and isinstance(key[0], str) else None
 
 
+@_bundles.register
 def bundles(
     tasks: Iterable[Key], dependents: Mapping[Key, Iterable[Key]]
 ) -> dict[Key, tuple[Key, ...]]:
-    """Each shuffle map of a graph with the pieces read from it: ``State``'s bundles."""
+    """Each shuffle map of a graph with the pieces read from it: its bundles for the
+    state machine (``raydag.core.bundles``), registered as a finder on import."""
     out = {}
     for k in tasks:
         name = _name(k)
@@ -174,7 +177,7 @@ def install() -> None:
     def _lower(self: Any) -> Any:
         if (self.method or get_default_shuffle_method()) != METHOD:
             return original(self)
-        from raydag.shuffle_expr import RaydagShuffle
+        from raydag.shuffle.expr import RaydagShuffle
 
         return RaydagShuffle(
             self.frame,

@@ -39,13 +39,15 @@ from typing import TYPE_CHECKING, Any
 from dask.utils import key_split
 
 from raydag import config
-from raydag.state import (
+from raydag.core.events import (
     Aborted,
     Cancel,
-    CapacityChanged,
+    CpusChanged,
     Event,
     Fail,
+    InputLost,
     Instruction,
+    NodeDied,
     Recover,
     Release,
     ResultsLost,
@@ -59,7 +61,7 @@ if TYPE_CHECKING:
     import pandas as pd
     import pyarrow as pa
 
-    from raydag.stores import Sample
+    from raydag.runtime.stores import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +92,11 @@ EVENT_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("event", "string", "what happened (see the README)"),
     ("key", "string", "the task's key, as str()"),
     ("category", "string", "dask.utils.key_split of the key"),
-    ("group", "int64", "the Ray task (fused group) the task ran in"),
+    (
+        "group",
+        "int64",
+        "the Ray task (a copy of its fused group; each attempt and duplicate its own) it ran in",
+    ),
     ("attempt", "int64", "0 for the first try, n for the n-th retry"),
     ("wave", "int64", "the recovery wave it is recomputed in, 0 if none"),
     ("node", "string", "the node it ran on (hex node id); submitted: the node raydag chose"),
@@ -113,6 +119,13 @@ STORE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("num_objects", "int64", "objects in the store"),
     ("run", "int64", "which compute, when records are merged (0 otherwise)"),
 )
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Ray tasks in flight the state machine allows, after the cluster's CPUs changed."""
+
+    slots: float
 
 
 @dataclass(frozen=True)
@@ -145,8 +158,10 @@ class Recorder:
         alive_nodes: Callable[[], Mapping[str, float]] | None = None,
         clock: Callable[[], float] = time.perf_counter,
         wall: float | None = None,
+        capacity: Callable[[], float] | None = None,
     ) -> None:
         self.clock = clock
+        self._slots = capacity  # the state machine's slots, read when the CPUs change
         self.t0 = clock()
         self.mono0 = time.monotonic()
         self.wall0 = time.time() if wall is None else wall
@@ -175,13 +190,15 @@ class Recorder:
     ) -> tuple[Event, Sequence[Instruction]]:
         if isinstance(event, TaskErred):
             event = dataclasses.replace(event, error=_describe(event.error))
+        if isinstance(event, CpusChanged):
+            self.transcript.append((t, Capacity(self._slots() if self._slots else event.cpus), ()))
         if any(isinstance(i, Fail) for i in instructions):
             instructions = [
                 dataclasses.replace(i, error=_describe(i.error)) if isinstance(i, Fail) else i
                 for i in instructions
             ]
-        changed = isinstance(event, CapacityChanged | ResultsLost) or (
-            isinstance(event, TaskErred) and event.node_lost
+        changed = isinstance(event, CpusChanged | NodeDied | InputLost | ResultsLost) or (
+            isinstance(event, TaskErred) and event.node_died
         )
         if changed and self._alive_nodes is not None:
             try:
@@ -261,13 +278,13 @@ class Recorder:
         for seq, (t, ev, instructions) in enumerate(self.transcript):
             cls = type(ev)
             if cls is TaskFinished:
-                group = ev.group
+                group = ev.copy
                 g = groups.pop(group, None)
                 durations = ev.durations
                 if g is None:  # cancelled earlier, or unknown: a copy that lost
                     keys, attempt, wave, dup, inb, kept = tuple(durations), 0, 0, False, None, ()
                 else:
-                    keys, attempt, wave, dup, inb, kept = g
+                    keys, attempt, wave, dup, inb, kept, _ = g
                     stop(keys[-1])
                 if not keys:
                     continue
@@ -306,15 +323,15 @@ class Recorder:
             elif cls is NodeChange:
                 other(t, seq, NODE_JOINED if ev.joined else NODE_LOST, ev.node, ev.cpus)
             elif cls is TaskErred:
-                g = groups.pop(ev.group, None)
+                g = groups.pop(ev.copy, None)
                 if g is not None:
                     stop(g[0][-1])
-                    again = [i for i in instructions if type(i) is Submit and i.group == ev.group]
+                    again = [i for i in instructions if type(i) is Submit and i.group == g[6]]
                     if again:
-                        why = ("node lost: " if ev.node_lost else "") + str(ev.error)
-                        add((t, seq, RETRIED, *names[ev.key], ev.group, again[0].attempt, g[2],
+                        why = ("node lost: " if ev.node_died else "") + str(ev.error)
+                        add((t, seq, RETRIED, *names[ev.key], ev.copy, again[0].attempt, g[2],
                              None, None, None, None, None, g[3], None, why, 0))  # fmt: skip
-            elif cls is CapacityChanged:
+            elif cls is Capacity:
                 other(t, seq, CAPACITY, slots=ev.slots)
             elif cls is Aborted:
                 other(t, seq, ABORTED)
@@ -332,8 +349,8 @@ class Recorder:
                     running[root] = running.get(root, 0) + 1
                     wave = max(recovering.get(k, 0) for k in keys) if recovering else 0
                     inb = sum(nbytes.get(k) or 0 for k in ins.inputs)
-                    group, attempt = ins.group, ins.attempt
-                    groups[group] = (keys, attempt, wave, dup, inb, ins.kept)
+                    group, attempt = ins.copy, ins.attempt
+                    groups[group] = (keys, attempt, wave, dup, inb, ins.kept, ins.group)
                     kind = DUPLICATED if dup else SUBMITTED
                     # where it was sent: a duplicate's node, or where placement put it
                     node, why = ins.node, ins.placed or None
@@ -342,12 +359,12 @@ class Recorder:
                         add((t, seq, kind, name, cat, group, attempt, wave, node, None, None,
                              None, None, dup, None, why, 0))  # fmt: skip
                 elif icls is Cancel:
-                    g = groups.pop(ins.group, None)
+                    g = groups.pop(ins.copy, None)
                     if g is not None:
                         stop(g[0][-1])
-                        why = "superseded" if ins.group in losers else None
+                        why = "superseded" if ins.copy in losers else None
                         for k in g[0]:
-                            add((t, seq, CANCELLED, *names[k], ins.group, g[1], g[2], None, None,
+                            add((t, seq, CANCELLED, *names[k], ins.copy, g[1], g[2], None, None,
                                  None, None, None, g[3], None, why, 0))  # fmt: skip
                 elif icls is Won:
                     losers.update(ins.losers)
@@ -645,7 +662,7 @@ class RunRecord:
 
     def report(self, filename: str | os.PathLike[str], title: str | None = None) -> Path:
         """Write the HTML report of this record (see ``raydag.report``)."""
-        from raydag import report
+        from raydag.observe import report
 
         return report.write_report(self, filename, title=title)
 

@@ -1,0 +1,1 @@
+"""The pure core: the graph, the state machine and its policies. Nothing here imports Ray."""

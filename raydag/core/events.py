@@ -1,0 +1,245 @@
+"""The state machine's vocabulary: events (facts the Ray layer reports) and instructions
+(decisions it carries out).
+
+An event says what happened and nothing about what it means: a copy finished, raised,
+lost its worker process or its node; a node died; the cluster's CPUs changed; Ray could
+not fetch an input. Every judgement (is that value lost? is that node to be taken for
+dead? retry or fail? duplicate? where to place?) is the state machine's, and comes back
+as instructions. Each Ray task that runs a group is a *copy* with an id of its own: a
+retry, a duplicate and a recomputation are new copies, so a late report of an old copy
+is recognised by its id alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+Key = Hashable
+
+
+class WorkerDiedError(RuntimeError):
+    """A task kept killing the worker process running it; retries are exhausted."""
+
+
+# ---- instructions (state machine -> Ray layer) ----------------------------------
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Run ``keys`` (topological order) as one Ray task, copy ``copy`` of ``group``.
+
+    ``kept``: the keys whose values leave the Ray task, each its own Ray object: the
+    last key's alone, or ``returns`` (a shuffle map's pieces, a producer's consumers).
+    """
+
+    copy: int
+    group: int
+    keys: tuple
+    inputs: tuple
+    priority: int
+    resources: Mapping[str, float] | None
+    attempt: int = 0
+    # Report the start (``TaskStarted``): where a copy runs decides what a death loses
+    # (a running reader holds its inputs) and where a duplicate may go.
+    notify: bool = False
+    # A speculative duplicate, to run on ``node`` and nowhere else.
+    duplicate: bool = False
+    node: str | None = None
+    # ``node`` is a preference (storage-aware placement), not a must: if that node is
+    # gone or busy, Ray runs the task elsewhere. ``placed``: why it was chosen.
+    soft: bool = False
+    placed: str = ""
+    returns: tuple = ()
+
+    @property
+    def root(self) -> Key:
+        return self.keys[-1]
+
+    @property
+    def kept(self) -> tuple:
+        return self.returns or (self.keys[-1],)
+
+
+@dataclass(frozen=True)
+class Release:
+    """Nothing needs this key's value any more: drop it."""
+
+    key: Key
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Stop this copy; its result, if any arrives, is ignored.
+
+    ``node``: where it runs, when known and alive: a forced cancel may take its worker
+    process down there, and the Ray layer starts a spare one.
+    """
+
+    copy: int
+    node: str | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The compute has failed: raise ``error``, raised by ``key``."""
+
+    key: Key
+    error: Any
+
+
+@dataclass(frozen=True)
+class Recover:
+    """One recovery wave: ``lost`` results are recomputed, with ``recompute``, at once.
+
+    The Ray layer drops its refs of the keys to recompute; the Submits follow.
+    """
+
+    wave: int
+    lost: tuple
+    recompute: tuple
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class NodeTakenDead:
+    """The state machine takes ``node`` for dead (Ray lost a value it held, before
+    the cluster said so): nothing more is sent there, and what it held is lost."""
+
+    node: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Won:
+    """A duplicate's result came first; ``losers`` (copies) are cancelled.
+
+    ``saved`` estimates the seconds the duplicate saved: when a copy died with its
+    node, how far the duplicate had got by then (the restart it spared); otherwise
+    how much longer the loser had already run than the winner needed.
+    """
+
+    key: Key
+    group: int
+    copy: int
+    losers: tuple
+    saved: float
+    reason: str = ""
+
+
+Instruction = Submit | Release | Cancel | Fail | Recover | NodeTakenDead | Won
+
+
+# ---- events (Ray layer -> state machine) ----------------------------------------
+
+
+@dataclass(frozen=True)
+class TaskFinished:
+    """Copy ``copy`` ran to its end on ``node``; ``durations`` of each key it ran."""
+
+    copy: int
+    durations: Mapping[Key, float] = field(default_factory=dict)
+    nbytes: int = 0
+    node: str | None = None
+    # For the run record: when the copy started on its worker (wall clock, seconds
+    # since the epoch) and the worker's process id.
+    started: float = 0.0
+    worker: int = 0
+    # The size of each kept value (``Submit.kept``), when the copy keeps several.
+    sizes: tuple = ()
+
+
+@dataclass(frozen=True)
+class TaskErred:
+    """``key`` of copy ``copy`` raised ``error``, or the copy could not run.
+
+    ``worker_died``: the worker process died under it (a crash, out of memory);
+    ``node_died``: its node died. Neither: the task's own error.
+    """
+
+    copy: int
+    key: Key
+    error: Any
+    worker_died: bool = False
+    node_died: bool = False
+
+
+@dataclass(frozen=True)
+class TaskStarted:
+    """Copy ``copy`` began on ``node`` at ``started`` (wall clock, the worker's)."""
+
+    copy: int
+    node: str
+    started: float
+
+
+@dataclass(frozen=True)
+class InputLost:
+    """Copy ``copy`` could not fetch inputs ``keys``: Ray says their values are gone."""
+
+    copy: int
+    keys: tuple
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class NodeDied:
+    """The cluster reports ``node`` dead."""
+
+    node: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ResultsLost:
+    """Ray reports these values gone (given values whose node raydag never knew)."""
+
+    keys: tuple
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class CpusChanged:
+    """The cluster's alive nodes now have ``cpus`` CPUs in all."""
+
+    cpus: float
+
+
+@dataclass(frozen=True)
+class Aborted:
+    """The driver gives up (Ctrl-C): cancel everything, release everything."""
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passes: ``now`` (wall clock); ``idle``: each alive node's free CPUs now."""
+
+    now: float
+    idle: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StoresSampled:
+    """Every alive node's object store (``(used, capacity)`` bytes) and free CPUs, now.
+
+    ``used`` counts what the store must keep (pinned copies), not cached copies of
+    values held elsewhere, which Ray evicts when it needs the room.
+    """
+
+    stores: Mapping[str, tuple[int, int]]
+    idle: Mapping[str, float] = field(default_factory=dict)
+
+
+Event = (
+    TaskFinished
+    | TaskErred
+    | TaskStarted
+    | InputLost
+    | NodeDied
+    | ResultsLost
+    | CpusChanged
+    | Aborted
+    | Tick
+    | StoresSampled
+)

@@ -1,0 +1,212 @@
+"""Fusion: cheap tasks run several to one Ray task, and quick consumers in their producer's.
+
+A Ray task costs the machine about 9 ms beyond its own work (the driver, the raylet, the
+worker fetching and storing values), far more than many dask tasks. So when a ready
+task's category has a measured mean below ``max_task_duration``, the state machine walks
+up from it: while the current task's only dependent needs nothing but the current task,
+values in memory and cheap ready subtrees that feed only it (a chain, or a reduction
+tree over fresh inputs), those join the same Ray task, up to ``max_group_size`` tasks and
+``max_group_duration`` of estimated work. Values inside a group never reach the object
+store.
+
+Worked example: ``read-0 -> clean-0 -> sum`` with ``read`` and ``clean`` measured at 2 ms
+and ``sum`` reading ``clean-0 .. clean-3``. ``read-1`` becomes ready; ``clean-1`` reads only
+it, and is cheap: it joins. ``sum`` reads three other cleans not in memory: unless each
+is a cheap subtree whose leaves are ready (then they join too), the walk stops at
+``clean-1``, and the group is ``(read-1, clean-1)``: one Ray task, one object.
+
+**Consumers come along.** A task of any length whose every pending consumer reads
+nothing but it and values in memory takes those consumers into its Ray task, right
+after it, when together they are cheap or take at most ``CONSUMERS_SHARE`` of the task's
+own mean runtime: a skim's read-and-select feeding a parquet write and a histogram fill.
+Its selected data then never leaves the worker. A consumer category measured fewer than
+``PROBES`` times joins as a probe, one group at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from raydag import config
+from raydag.core.records import MEMORY, READY, RELEASED, WAITING
+
+if TYPE_CHECKING:
+    from raydag.core.state import State
+
+Key = Hashable
+
+# Consumers that are not cheap still run in their producer's task when together they
+# take at most this share of its runtime (a writer after an hour of processing).
+CONSUMERS_SHARE = 0.5
+# A consumer's category is judged on this many runs (the first run in a worker pays
+# for imports and warm-up); until then it is probed, one group at a time.
+PROBES = 3
+
+
+def _d(key: str) -> object:
+    return field(default_factory=lambda: config.default(key))
+
+
+def _s(key: str) -> object:
+    return field(default_factory=lambda: config.default_seconds(key))
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """Fusion's settings (``raydag.fusion.*``; defaults in raydag.yaml)."""
+
+    enabled: bool = _d("fusion.enabled")  # type: ignore[assignment]
+    max_task_duration: float = _s("fusion.max-task-duration")  # type: ignore[assignment]
+    max_group_duration: float = _s("fusion.max-group-duration")  # type: ignore[assignment]
+    max_group_size: int = _d("fusion.max-group-size")  # type: ignore[assignment]
+
+    @classmethod
+    def from_config(cls) -> Fusion:
+        return cls(
+            enabled=bool(config.get("fusion.enabled")),
+            max_task_duration=config.seconds("fusion.max-task-duration"),
+            max_group_duration=config.seconds("fusion.max-group-duration"),
+            max_group_size=int(config.get("fusion.max-group-size")),
+        )
+
+
+class Fuser:
+    """The state machine's fusion part: which keys run together, what a group costs."""
+
+    def __init__(self, state: State, settings: Fusion) -> None:
+        self.s = state
+        self.settings = settings
+
+    def cheap(self, key: Key) -> bool:
+        est = self.s.estimate(key)
+        return est is not None and est < self.settings.max_task_duration
+
+    def cost(self, key: Key, estimate: float | None) -> float:
+        """Slots a group led by ``key`` takes: its CPUs, a fraction when measured cheap."""
+        r = self.s.tasks[key].resources
+        cpus = float(r.get("CPU", 1)) if r else 1.0
+        if estimate is not None and estimate < self.settings.max_task_duration:
+            return cpus * self.s.cheap_cost
+        return cpus
+
+    def _same_kind(self, a: Key, b: Key) -> bool:
+        ta, tb = self.s.tasks[a], self.s.tasks[b]
+        return ta.resources == tb.resources and ta.retries == tb.retries
+
+    def _fusable(self, key: Key) -> bool:
+        """No output, no given value, no bundle's map or piece: those keep their values."""
+        ts = self.s.tasks[key]
+        return not (ts.output or ts.given or self.s.bundler.member(key))
+
+    def chain(self, key: Key) -> tuple:
+        """``key`` plus the cheap consumers it completes, and what else feeds only them.
+
+        Every member but the last has its one consumer inside the group, so its value
+        never leaves the Ray task.
+        """
+        f, tasks = self.settings, self.s.tasks
+        if not f.enabled or not self.cheap(key) or self.s.bundler.member(key):
+            return (key,)
+        keys = [key]
+        members = {key}
+        total = self.s.estimate(key) or 0.0
+        cur = key
+        # a given value recomputed after a loss must reach the object store, like an
+        # output, so the Ray layer can hand it back to its owner: never fused away
+        while self._fusable(cur) and len(tasks[cur].dependents) == 1:
+            (nxt,) = tasks[cur].dependents
+            if self.s.bundler.member(nxt):  # a bundle runs as its own group
+                break
+            if tasks[nxt].state != WAITING or not self.cheap(nxt) or not self._same_kind(key, nxt):
+                break
+            budget = f.max_group_size - len(keys) - 1
+            if budget < 0:  # no room for ``nxt`` itself
+                break
+            extra: list = []
+            for d in sorted(tasks[nxt].dependencies - members, key=self.s.priority):
+                if tasks[d].state == MEMORY:
+                    continue
+                sub = self._exclusive_subtree(d, key, budget - len(extra))
+                if sub is None:
+                    return tuple(keys)
+                extra.extend(sub)
+            more = sum(self.s.estimate(d) or 0.0 for d in extra) + (self.s.estimate(nxt) or 0.0)
+            if total + more > f.max_group_duration:
+                break
+            keys.extend(extra)
+            keys.append(nxt)
+            members.update(extra)
+            members.add(nxt)
+            total += more
+            cur = nxt
+        return tuple(keys)
+
+    def _exclusive_subtree(self, key: Key, like: Key, budget: int) -> list | None:
+        """``key`` and its unfinished ancestors, topologically, if all can join a group:
+        each cheap, of ``like``'s kind, read by nothing outside, the leaves ready."""
+        ts = self.s.tasks[key]
+        if (
+            budget <= 0
+            or not self._fusable(key)
+            or len(ts.dependents) != 1
+            or not self.cheap(key)
+            or not self._same_kind(like, key)
+        ):
+            return None
+        if ts.state == READY:
+            return [key]
+        if ts.state != WAITING:
+            return None
+        keys: list = []
+        for d in sorted(ts.dependencies, key=self.s.priority):
+            if self.s.tasks[d].state == MEMORY:
+                continue
+            sub = self._exclusive_subtree(d, like, budget - len(keys) - 1)
+            if sub is None:
+                return None
+            keys.extend(sub)
+        return keys + [key]
+
+    def consumers(self, keys: tuple) -> tuple:
+        """The consumers of the group's root that run in its Ray task, right after it.
+
+        All of the root's pending consumers or none, so that its value never leaves
+        the task. Each must read nothing else but values in memory, be of the root's
+        kind and no bundle's; together cheap (the group within ``max_group_duration``),
+        or short beside the root (``CONSUMERS_SHARE``).
+        """
+        root = keys[-1]
+        f, tasks = self.settings, self.s.tasks
+        if not f.enabled or not self._fusable(root):
+            return ()
+        pending = [d for d in tasks[root].dependents if tasks[d].state not in (MEMORY, RELEASED)]
+        if not pending or len(keys) + len(pending) > f.max_group_size:
+            return ()
+        total = 0.0
+        probes: set = set()
+        for d in pending:
+            td = tasks[d]
+            if (
+                td.state != WAITING
+                or self.s.bundler.member(d)
+                or not self._same_kind(root, d)
+                or any(tasks[x].state != MEMORY for x in td.dependencies if x != root)
+            ):
+                return ()
+            cat = self.s.categories.get(td.category)
+            if cat is None or cat.count < PROBES:
+                probes.add(td.category)
+            else:
+                total += cat.total / cat.count
+        group = sum(self.s.estimate(k) or 0.0 for k in keys) + total
+        cheap = total < f.max_task_duration and group <= f.max_group_duration
+        lead = self.s.estimate(root)
+        if not cheap and (lead is None or total > lead * CONSUMERS_SHARE):
+            return ()
+        if probes:  # a category is measured by one task at a time
+            running = [*keys, *(k for g in self.s.groups.values() for k in g.keys)]
+            if any(tasks[k].category in probes for k in running):
+                return ()
+        return tuple(sorted(pending, key=self.s.priority))

@@ -1,0 +1,57 @@
+"""The cluster raydag runs on: connecting, the alive nodes and their free CPUs."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+import ray
+
+from raydag import config
+
+logger = logging.getLogger(__name__)
+
+# Ray returns a task's values below ``max_direct_call_object_size`` inline to their
+# owner (the driver), as long as the task's inlined values stay below
+# ``task_rpc_inlined_bytes_limit``: no node's death can lose them. Ray's defaults.
+INLINE_BYTES = 100 * 1024
+INLINE_TOTAL = 10 * 1024 * 1024
+
+
+def connect() -> None:
+    """Use the initialised Ray or ``RAY_ADDRESS``; otherwise start an embedded local Ray."""
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(logging_level=logging.WARNING)
+        return
+    period = config.seconds("local-ray.free-objects-period")
+    ray.init(
+        address="local",
+        num_cpus=config.get("local-ray.num-cpus"),
+        object_store_memory=config.get("local-ray.object-store-memory"),
+        include_dashboard=config.get("local-ray.include-dashboard"),
+        logging_level=logging.WARNING,
+        _system_config={"free_objects_period_milliseconds": max(1, int(period * 1000))},
+    )
+    logger.info("started an embedded local Ray: %s", ray.cluster_resources())
+
+
+def alive_nodes() -> dict[str, float]:
+    """Alive node ids and their CPUs (``ray.nodes()`` costs about 0.3 ms)."""
+    return {n["NodeID"]: n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]}
+
+
+def idle_cpus(alive: Mapping[str, float]) -> dict[str, float]:
+    """Free CPUs of each alive node, as the cluster's control store last heard."""
+    from ray._private import state as ray_state
+
+    free = ray_state.available_resources_per_node()
+    return {n: float(free.get(n, {}).get("CPU", 0.0)) for n in alive}
+
+
+def session() -> tuple[str, str]:
+    """This Ray session: job ids restart in every new cluster, so with its GCS address."""
+    ctx = ray.get_runtime_context()
+    return (ctx.gcs_address, ctx.get_job_id())

@@ -1,0 +1,65 @@
+"""Results that ``raydag.persist`` keeps in Ray's object store, found again by key."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import ray
+from dask._task_spec import TaskRef
+
+Key = Hashable
+
+
+class Persisted(TaskRef):
+    """A result that ``raydag.persist`` keeps in Ray's object store.
+
+    It stands in a persisted collection's graph in place of the value. Being a
+    ``TaskRef`` (as distributed's ``Future`` is), dask's optimisations treat it as a
+    reference to its key rather than as data to inline. It carries the tasks that
+    made it, so a later compute can recompute it if its node dies, and it is updated
+    in place when that happens.
+    """
+
+    __slots__ = ("ref", "node", "lineage", "__weakref__")
+
+    def __init__(self, key: Key, ref: ray.ObjectRef, node: str | None, lineage: Mapping):
+        super().__init__(key)
+        self.ref = ref
+        self.node = node
+        self.lineage = lineage
+        _persisted.setdefault(key, []).append(weakref.ref(self, functools.partial(_forget, key)))
+
+    def __repr__(self) -> str:
+        return f"Persisted({self.key!r}, {self.ref.hex()[:16]})"
+
+
+# Live persisted results by key: a later graph refers to them only by key. A key has
+# several when a collection was persisted more than once; any live one will do.
+_persisted: dict[Key, list[weakref.ref]] = {}
+
+
+def _forget(key: Key, dead: weakref.ref) -> None:
+    refs = _persisted.get(key)
+    if refs is not None:
+        refs[:] = [r for r in refs if r is not dead and r() is not None]
+        if not refs:
+            _persisted.pop(key, None)
+
+
+def find_persisted(key: Key) -> Persisted | None:
+    for r in _persisted.get(key, ()):
+        p = r()
+        if p is not None:
+            return p
+    return None
+
+
+def given_ref(value: Any) -> ray.ObjectRef:
+    return value.ref if isinstance(value, Persisted) else value
+
+
+def is_given(value: Any) -> bool:
+    return isinstance(value, Persisted | ray.ObjectRef)

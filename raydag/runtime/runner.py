@@ -1,0 +1,512 @@
+"""The driver loop: report what Ray did to the state machine, carry out what it decides.
+
+The Ray layer decides nothing. It holds the only references to results (``ObjectRef``s),
+so dropping one on a ``Release`` is what frees the object; it turns what Ray says (a
+task's outcome, Ray's error for it, the cluster's nodes, the inbox's start notes, the
+object stores) into events (``raydag.core.events``), and each instruction into Ray calls.
+What a death lost, what is retried or recomputed, which node is taken for dead: all of
+it is ``raydag.core.state``'s.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
+
+import ray
+import ray.exceptions as rex
+from dask.callbacks import unpack_callbacks
+
+from raydag import config
+from raydag.core.events import (
+    Aborted,
+    Cancel,
+    CpusChanged,
+    Event,
+    Fail,
+    InputLost,
+    Instruction,
+    NodeDied,
+    NodeTakenDead,
+    Recover,
+    Release,
+    StoresSampled,
+    Submit,
+    TaskErred,
+    TaskFinished,
+    TaskStarted,
+    Tick,
+    Won,
+)
+from raydag.core.graph import Graph
+from raydag.core.state import State
+from raydag.runtime.cluster import alive_nodes, idle_cpus
+from raydag.runtime.graveyard import all_ended, graveyard
+from raydag.runtime.inbox import cancel, inbox
+from raydag.runtime.persisted import Persisted, given_ref
+from raydag.runtime.stores import StoreSampler
+from raydag.runtime.worker import (
+    Outcome,
+    ray_options,
+    remote_group,
+    spare_worker,
+    unpack_exception,
+)
+
+logger = logging.getLogger("raydag.runtime")
+Key = Hashable
+
+# How a Ray task can fail without the user's code raising, by what it means.
+NODE_DIED = (rex.NodeDiedError, rex.LocalRayletDiedError)
+WORKER_DIED = (rex.WorkerCrashedError, rex.OutOfMemoryError, rex.RaySystemError)
+INPUT_LOST = (rex.ObjectLostError, rex.ObjectFetchTimedOutError)
+
+_runs = itertools.count(1)
+
+
+class Runner:
+    """One compute: feeds Ray completions to the state machine, carries out its answers."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        state: State,
+        nodes: dict[str, float],
+        callbacks: Any = (),
+        observers: Sequence[Callable[[Event | None, list[Instruction]], None]] = (),
+        sampler: StoreSampler | None = None,
+    ):
+        self.graph = graph
+        self.state = state
+        # Called with every event (None for the start) and the instructions it gave:
+        # the state machine's transcript, for the run record and progress displays.
+        self.observers = list(observers)
+        # Refs this compute produced; values given from outside are read from the graph.
+        self.values = {k: given_ref(v) for k, v in graph.external.items()}
+        self.alive = dict(nodes)  # the cluster's alive nodes and CPUs, as last read
+        self.pending: dict[ray.ObjectRef, tuple[Submit, tuple]] = {}  # by outcome ref
+        self.by_copy: dict[int, ray.ObjectRef] = {}
+        self.failure: Fail | None = None
+        self.force_cancel = bool(config.get("cancel.force"))
+        self.poll = config.seconds("scheduling.cluster-poll-interval")
+        self.ray_retries = int(config.get("retries")) if state.recoverer.settings.ray_first else 0
+        self._options: dict[Any, Any] = {}
+        # the object stores, sampled in a thread: placement reads each new round
+        self.sampler = sampler if state.placer.settings.enabled else None
+        self._round = 0
+        self.run_id = next(_runs)
+        self._inbox: Any = None
+        self._drain: ray.ObjectRef | None = None
+        _, _, self.pretask, self.posttask, _ = unpack_callbacks(callbacks)
+        self.dask_state = _dask_state(graph) if callbacks else None
+
+    def run(self) -> dict[Key, tuple[ray.ObjectRef, str | None]]:
+        """Run to the end; return the outputs' refs and nodes (the caller owns them now)."""
+        try:
+            self._step(None)
+            last_poll = time.monotonic()
+            while not self.state.done:
+                if not self.pending:
+                    raise RuntimeError("raydag: nothing in flight but the graph is not done")
+                self._wait_and_handle()
+                if time.monotonic() - last_poll > self.poll:
+                    last_poll = time.monotonic()
+                    self._tick()
+                    self._watch_cluster()
+            if self.failure is not None:
+                exc = self.failure.error
+                raise exc.with_traceback(exc.__traceback__)
+            tasks = self.state.tasks
+            return {k: (self._ref(k), tasks[k].node) for k in self.graph.outputs}
+        except BaseException:
+            if not self.state.done:
+                self._step(Aborted())
+            raise
+        finally:
+            self.values.clear()
+            for meta_ref, (_, value_refs) in self.pending.items():  # none, unless interrupted
+                graveyard.hold(meta_ref, value_refs)
+            self.pending.clear()
+            self.by_copy.clear()
+            self._drain = None
+
+    def _wait_and_handle(self) -> None:
+        """Wait for Ray tasks to end (up to a poll interval); step through what they
+        mean. The refs stay in this frame, not in ``run``'s: a raised error keeps
+        the frames it passed through, with their locals, for as long as it lives."""
+        # the inbox's drain too: a start note wakes the loop (see ``Inbox``)
+        refs = [*self.pending, *([self._drain] if self._drain is not None else [])]
+        for ref in all_ended(refs, timeout=self.poll):
+            if self._drain is not None and ref == self._drain:
+                self._take_notes(wait=0)
+                continue
+            if ref not in self.pending:  # cancelled while handling an earlier one
+                continue
+            for event in self._events(ref):
+                self._step(event)
+            if self.state.done:
+                break
+
+    def _step(self, event: Event | None, quiet: bool = False) -> None:
+        """One transition: the event in (``None`` to start), its instructions out.
+
+        ``quiet``: observers see the event only if it gave instructions (a Tick that
+        changed nothing is not worth a row, four times a second).
+        """
+        instructions = self.state.start() if event is None else self.state.handle(event)
+        if instructions or not quiet:
+            for observe in self.observers:
+                observe(event, instructions)
+        self._carry_out(instructions)
+
+    # ---- facts in ------------------------------------------------------------------
+
+    def _watch_cluster(self) -> None:
+        """Report nodes that died and a changed CPU count.
+
+        Before a death, the facts that came before it: every start note sent so far
+        (a running copy holds its inputs), and the copies that finished well meanwhile
+        (they have read their inputs and made their values). A failure may be the
+        death's consequence: it is reported after the death, by the main loop.
+        """
+        nodes = alive_nodes()
+        dead = sorted(set(self.alive) - set(nodes))
+        changed = nodes != self.alive
+        self.alive = nodes
+        if dead:
+            self._take_notes(wait=2.0)
+            self._report_finished()
+        for node in dead:
+            logger.warning("raydag: node %s died", node[:12])
+            self._step(NodeDied(node, f"node died: {node[:12]}"))
+        if changed:
+            self._step(CpusChanged(sum(nodes.values())))
+
+    def _report_finished(self) -> None:
+        if not self.pending:
+            return
+        ready, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=0)
+        for ref in ready:
+            if ref not in self.pending:
+                continue
+            try:
+                outcome = ray.get(ref, timeout=0)
+            except Exception as e:
+                frameless(e)
+                continue
+            if getattr(outcome, "error", True) is not None:
+                continue
+            for event in self._events(ref):
+                self._step(event)
+
+    def _tick(self) -> None:
+        """Report which copies started where, the time, the stores and the idle CPUs."""
+        if self.state.done:
+            return
+        self._take_notes(wait=0)
+        alive = {n: c for n, c in self.alive.items() if self.state.is_alive(n)}
+        idle = None
+        if self.sampler is not None and self.sampler.rounds != self._round:
+            self._round = self.sampler.rounds
+            stats = self.sampler.latest
+            # Pinned (primary) copies only: Ray evicts cached copies of others' values as
+            # it needs room, and spills primaries past its threshold. Nodes that can run
+            # tasks only: a head without CPUs holds values but runs nothing.
+            stores = {
+                n: (s.primary_bytes, s.capacity_bytes) for n, s in stats.items() if alive.get(n)
+            }
+            idle = idle_cpus(alive)
+            self._step(StoresSampled(stores, idle), quiet=True)
+        if self.state.speculator.enabled:
+            self._step(Tick(time.time(), idle or idle_cpus(alive)), quiet=True)
+
+    def _take_notes(self, wait: float) -> None:
+        """Pass on the start notes the inbox holds; ask for the next ones. With ``wait``,
+        every note sent so far (a node died: who holds which inputs matters)."""
+        if self._inbox is None:
+            return
+        if self._drain is not None:
+            self._collect(wait + self.poll if wait else 0)
+        if wait and self._drain is None:  # the inbox answers in order: ask once more
+            self._drain = self._inbox.drain.remote(self.run_id)
+            self._collect(wait)
+        if self._drain is None:  # held at the inbox until a note comes: see ``Inbox``
+            self._drain = self._inbox.drain.remote(self.run_id, self.poll)
+
+    def _collect(self, wait: float) -> None:
+        ready, _ = ray.wait([self._drain], timeout=wait)
+        if not ready:
+            return
+        try:
+            notes = ray.get(self._drain)
+        except ray.exceptions.RayError as e:  # the inbox restarts; notes are lost
+            logger.warning("raydag: the inbox of start notes failed: %s", frameless(e))
+            notes = []
+        self._drain = None
+        for run, copy, node, t in notes:
+            if run == self.run_id and copy in self.by_copy:
+                self._step(TaskStarted(copy, node, t))
+
+    def _events(self, meta_ref: ray.ObjectRef) -> list:
+        """What one finished Ray task means, as state machine events."""
+        sub, value_refs = self.pending.pop(meta_ref)
+        del self.by_copy[sub.copy]
+        outcome = _outcome(meta_ref, value_refs)
+        if isinstance(outcome, Exception):
+            return self._ray_erred(sub, outcome)
+        if outcome.error is not None:
+            return [TaskErred(sub.copy, outcome.error_key, unpack_exception(outcome.error))]
+        for k, ref in zip(sub.kept, value_refs, strict=True):
+            self.values[k] = ref
+        given = self.graph.external.get(sub.root)
+        if isinstance(given, Persisted):  # recomputed after a loss: heal the collection
+            given.ref, given.node = value_refs[-1], outcome.node
+        if self.dask_state is not None:
+            self._posttask(sub, outcome)
+        durations = dict(zip(sub.keys, outcome.durations, strict=True))
+        sizes = outcome.sizes or [outcome.nbytes]
+        return [
+            TaskFinished(
+                sub.copy,
+                durations,
+                outcome.nbytes,
+                outcome.node,
+                outcome.started,
+                outcome.pid,
+                tuple(sizes) if len(sub.kept) > 1 else (),
+            )
+        ]
+
+    def _ray_erred(self, sub: Submit, e: Exception) -> list:
+        """What Ray's error for a Ray task says happened (the user's own errors come in
+        its Outcome): a node or a worker process died, an input is gone, or the task
+        could not run at all."""
+        if isinstance(e, rex.TaskUnschedulableError):  # a duplicate's node died before it ran
+            logger.warning("raydag: the node for a copy of %r is gone", sub.root)
+            return [TaskErred(sub.copy, sub.root, e, node_died=True)]
+        if isinstance(e, NODE_DIED):
+            logger.warning("raydag: the node running %r died%s", sub.root, _with(sub))
+            self._watch_cluster()  # the death, reported before what it did to this copy
+            return [TaskErred(sub.copy, sub.root, e, node_died=True)]
+        if isinstance(e, WORKER_DIED):
+            if isinstance(e, rex.RayTaskError):  # e.g. RaySystemError: cannot unpickle the
+                cause = e.cause if isinstance(e.cause, BaseException) else e  # task: no retry
+                return [TaskErred(sub.copy, sub.root, cause)]
+            logger.warning(
+                "raydag: %r lost its worker process (%s)%s", sub.root, type(e).__name__, _with(sub)
+            )
+            return [TaskErred(sub.copy, sub.root, e, worker_died=True)]
+        if isinstance(e, INPUT_LOST):
+            logger.warning("raydag: an input of %r is lost (%s)", sub.root, type(e).__name__)
+            self._watch_cluster()
+            return [InputLost(sub.copy, self._gone(sub, e), f"input of {sub.root!r} lost")]
+        if isinstance(e, rex.RayTaskError):  # failed outside the user's code (e.g. arguments)
+            cause = e.cause if isinstance(e.cause, BaseException) else e
+            return [TaskErred(sub.copy, sub.root, cause)]
+        raise e
+
+    def _gone(self, sub: Submit, e: Exception) -> tuple:
+        """The inputs of ``sub`` whose values Ray no longer has: the one its error names
+        (the error Ray stores in place of a lost object is copied to its readers, so
+        its word beats the locations), and given values of unknown node with no copy
+        on an alive node."""
+        named = getattr(getattr(e, "cause", None) or e, "object_ref_hex", None)
+        gone = [k for k in sub.inputs if named and self._hex(k) == named]
+        tasks = self.state.tasks
+        unplaced = [k for k in sub.inputs if k in self.values and tasks[k].node is None]
+        if unplaced:
+            refs = [self.values[k] for k in unplaced]
+            try:
+                where = ray.experimental.get_object_locations(refs, timeout_ms=2000)
+            except Exception:  # the owner cannot say: assume the worst
+                where = {}
+            # Ray stores the error of an object it cannot recover on its owner's node,
+            # and lists that node as the object's location: a copy there proves nothing.
+            here = ray.get_runtime_context().get_node_id()
+            alive = {n for n in self.alive if n != here and self.state.is_alive(n)}
+            for k, ref in zip(unplaced, refs, strict=True):
+                if k not in gone and not alive.intersection(
+                    (where.get(ref) or {}).get("node_ids", ())
+                ):
+                    gone.append(k)
+        return tuple(gone)
+
+    def _hex(self, key: Key) -> str | None:
+        ref = self.values.get(key)
+        return ref.hex() if ref is not None else None
+
+    def _ref(self, key: Key) -> ray.ObjectRef:
+        ref = self.values.get(key)
+        return given_ref(self.graph.external[key]) if ref is None else ref
+
+    # ---- instructions out ------------------------------------------------------------
+
+    def _carry_out(self, instructions: list[Instruction]) -> None:
+        cancelled: list[ray.ObjectRef] = []
+        for ins in instructions:
+            cls = type(ins)
+            if cls is Submit:
+                self._submit(ins)
+            elif cls is Release:
+                self.values.pop(ins.key, None)
+                if self.dask_state is not None:
+                    self.dask_state["released"].add(ins.key)
+            elif cls is Cancel:
+                meta_ref = self.by_copy.pop(ins.copy, None)
+                if meta_ref is not None:
+                    _, value_refs = self.pending.pop(meta_ref)
+                    cancelled.append(value_refs[0])
+                    graveyard.hold(meta_ref, value_refs)
+                    if self.force_cancel and ins.node is not None:
+                        self._spare(ins.node)
+            elif cls is Fail:
+                self.failure = ins
+            elif cls is Won:
+                logger.info(
+                    "raydag: a duplicate of %r won (%s); about %.1f s saved",
+                    ins.key,
+                    ins.reason,
+                    ins.saved,
+                )
+            elif cls is NodeTakenDead:
+                logger.warning("raydag: taking node %s for dead: %s", ins.node[:12], ins.reason)
+            elif cls is Recover:
+                for k in ins.recompute:
+                    self.values.pop(k, None)
+                logger.warning(
+                    "raydag: recovery wave %d: %d lost results, %d tasks to recompute (%s)",
+                    ins.wave,
+                    len(ins.lost),
+                    len(ins.recompute),
+                    ins.reason,
+                )
+                if logger.isEnabledFor(logging.DEBUG):  # a wave may lose thousands
+                    logger.debug("raydag: wave %d lost %s", ins.wave, _few(ins.lost))
+                    kept = self.state.recoverer.kept
+                    if kept:
+                        logger.debug("raydag: kept, read by running tasks: %s", _few(kept))
+        cancel(cancelled, self.force_cancel)
+
+    def _spare(self, node: str) -> None:
+        """A forced cancel kills the copy's worker process, and Ray starts another only
+        when a task needs it: a node whose loser was cancelled would make its next task
+        (the graph's last, perhaps) wait 0.4-3 s for a process. A task needing no CPU
+        starts one now, while the node is idle, and leaves it idle in the pool."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        there = NodeAffinitySchedulingStrategy(node, soft=True)
+        spare_worker.options(scheduling_strategy=there).remote()
+
+    def _submit(self, sub: Submit) -> None:
+        spec: Any = tuple(sorted(sub.resources.items())) if sub.resources else None
+        if sub.returns:  # several values kept: one Ray object each, and the Outcome
+            spec = (spec, len(sub.returns))
+        fn = self._options.get((spec, sub.node, sub.soft))
+        if fn is None:
+            opts = ray_options(sub.resources)
+            if sub.returns:
+                opts["num_returns"] = len(sub.returns) + 1
+            if self.ray_retries:
+                opts["max_retries"] = self.ray_retries
+            if sub.node is not None:
+                # A duplicate: on that node and no other (soft=False), never by its
+                # original. A placed task: there if it can, elsewhere if that node is
+                # gone or has no CPU free (soft, spilling).
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                    sub.node, soft=sub.soft, _spill_on_unavailable=sub.soft
+                )
+            fn = self._options[(spec, sub.node, sub.soft)] = remote_group.options(**opts)
+        notify = None
+        if sub.notify:
+            if self._inbox is None:
+                self._inbox = inbox()
+            notify = (self._inbox, self.run_id, sub.copy)
+        nodes = [self.graph.tasks[k] for k in sub.keys]
+        refs = [self._ref(k) for k in sub.inputs]
+        kw = {"returns": sub.returns} if sub.returns else {}
+        *value_refs, meta_ref = fn.remote(nodes, sub.inputs, notify, *refs, **kw)
+        self.pending[meta_ref] = (sub, tuple(value_refs))
+        self.by_copy[sub.copy] = meta_ref
+        if self.dask_state is not None and not sub.duplicate:
+            s = self.dask_state
+            for k in sub.keys:
+                s["waiting"].discard(k)
+                s["running"].add(k)
+                for f in self.pretask:
+                    f(k, self.graph.tasks, s)
+
+    def _posttask(self, sub: Submit, outcome: Outcome) -> None:
+        s = self.dask_state
+        for k in sub.keys:
+            s["running"].discard(k)
+            s["finished"].add(k)
+            for f in self.posttask:
+                f(k, None, self.graph.tasks, s, outcome.pid)
+
+
+def _with(sub: Submit) -> str:
+    """The other tasks of a retried group: they run again too (their values never left)."""
+    others = [k for k in sub.keys if k != sub.root]
+    return f" (with {', '.join(map(repr, others))} in its Ray task)" if others else ""
+
+
+def _outcome(meta_ref: ray.ObjectRef, value_refs: Sequence[ray.ObjectRef]) -> Outcome | Exception:
+    """``ray.get`` of a Ray task's outcome, or Ray's error for it (see ``frameless``).
+    When the task failed, its value refs hold the error too: read them, or Ray logs each
+    as an "Unhandled error" when it is dropped (a line per value per worker death, on
+    top of raydag's own warning)."""
+    try:
+        return ray.get(meta_ref)
+    except Exception as e:
+        for ref in value_refs:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception as again:
+                frameless(again)
+        return frameless(e)
+
+
+def frameless(e: BaseException) -> BaseException:
+    """``e`` without its traceback, nor those of the errors it chains to.
+
+    ``ray.get`` raises an error it holds in a local variable: the error and that frame
+    refer to each other, a cycle only the garbage collector frees. The frames hold the
+    refs they were given, and so the objects stay in the store until a collection runs,
+    or for as long as a caller keeps the error (a notebook keeps the last one). They
+    are Ray's and raydag's frames on the driver, which tell a user nothing.
+    """
+    todo, seen = [e], set()
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        x.__traceback__ = None
+        todo += [x.__context__, x.__cause__]
+    return e
+
+
+def _few(keys: Iterable, n: int = 40) -> str:
+    """Keys for a debug line: the first ``n`` of them, sorted, and how many more."""
+    shown = sorted(map(repr, keys))
+    more = f" and {len(shown) - n} more" if len(shown) > n else ""
+    return ", ".join(shown[:n]) + more
+
+
+def _dask_state(graph: Graph) -> dict:
+    """The subset of dask.local's state dict that dask's callbacks read."""
+    return {
+        "dependencies": {k: set(v) for k, v in graph.dependencies.items()},
+        "dependents": graph.dependents,
+        "waiting": set(graph.tasks) - set(graph.external),
+        "ready": set(),
+        "running": set(),
+        "finished": set(graph.external),
+        "released": set(),
+        "cache": {},
+    }

@@ -1,0 +1,131 @@
+"""What runs inside a Ray task: a group's dask tasks in order, and errors packed whole.
+
+The driver sends ``run_group`` the group's task nodes and its inputs' refs; the task
+returns each kept value as its own Ray object, then an ``Outcome``: runtimes, sizes,
+where and when it ran, or the user's error with its traceback (``tblib``), so that the
+driver raises it with its own type.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from dask.sizeof import sizeof
+
+
+@dataclass
+class Outcome:
+    """What a group's Ray task tells the driver, apart from the value itself."""
+
+    durations: list[float]
+    nbytes: int = 0
+    node: str = ""
+    pid: int = 0
+    started: float = 0.0
+    error: bytes | None = None
+    error_key: Any = None
+    sizes: list[int] | None = None  # of each kept value, when a group keeps several
+
+
+def run_group(
+    nodes: list, input_keys: tuple, notify: Any, *inputs: Any, returns: tuple = ()
+) -> tuple[Any, ...]:
+    """Run fused dask tasks in order; return the kept values, then an Outcome.
+
+    ``returns``: the keys whose values to keep, each its own Ray object (a shuffle's
+    pieces: the Ray task has ``len(returns) + 1`` returns); empty: the last key's.
+    ``notify``: ``(inbox, run, tag)`` to say where and when it started (see ``_Inbox``).
+    """
+    values, outcome = _run_nodes(nodes, input_keys, notify, inputs)
+    kept = returns or (nodes[-1].key,)
+    if outcome.error is not None:
+        return (*[None] * len(kept), outcome)
+    results = [values[k] for k in kept]
+    outcome.sizes = [sizeof(r) for r in results]
+    outcome.nbytes = sum(outcome.sizes)
+    return (*results, outcome)
+
+
+def _run_nodes(nodes: list, input_keys: tuple, notify: Any, inputs: tuple) -> tuple[dict, Outcome]:
+    started = time.time()
+    if notify is not None:
+        inbox, run, tag = notify
+        inbox.started.remote(run, tag, ray.get_runtime_context().get_node_id(), started)
+    values = dict(zip(input_keys, inputs, strict=True))
+    durations = []
+    node = None
+    try:
+        for node in nodes:
+            t0 = time.perf_counter()
+            values[node.key] = node(values)
+            durations.append(time.perf_counter() - t0)
+    except Exception as e:  # a user's error: ship it back whole, do not let Ray retry
+        return values, Outcome(durations, error=pack_exception(e), error_key=node.key)
+    ctx = ray.get_runtime_context()
+    return values, Outcome(durations, 0, ctx.get_node_id(), os.getpid(), started)
+
+
+def _nothing() -> None:
+    return None
+
+
+spare_worker = ray.remote(num_cpus=0, max_retries=0)(_nothing)
+
+
+# raydag retries and recovers tasks itself, from its own lineage (docs/recovery.md):
+# Ray's retries would re-run lost work one object at a time, behind raydag's back.
+remote_group = ray.remote(num_returns=2, max_retries=0)(run_group)
+
+
+def pack_exception(e: BaseException) -> bytes:
+    from tblib import Traceback
+
+    tb = e.__traceback__.tb_next if e.__traceback__ else None  # drop run_group's frame
+    try:
+        blob = pickle.dumps((e, Traceback(tb).as_dict() if tb else None))
+        pickle.loads(blob)  # some pickle but cannot be rebuilt (e.g. required __init__ args)
+        return blob
+    except Exception:
+        plain = RuntimeError(f"{type(e).__name__}: {e} (the exception could not be pickled)")
+        return pickle.dumps((plain, Traceback(tb).as_dict() if tb else None))
+
+
+def unpack_exception(blob: bytes) -> BaseException:
+    exc, tb = pickle.loads(blob)
+    if tb is not None:
+        exc = exc.with_traceback(_rebuilt(tb))
+    return exc
+
+
+def _rebuilt(tb: dict) -> Any:
+    """tblib makes each frame of the traceback by running code, and a frame keeps its
+    caller's frame (``f_back``) and so its locals: made on the driver loop's stack, the
+    error would keep the loop's refs, and their objects, for as long as it lives. A
+    fresh thread's stack holds none."""
+    from tblib import Traceback
+
+    made: list = []
+    t = threading.Thread(target=lambda: made.append(Traceback.from_dict(tb).as_traceback()))
+    t.start()
+    t.join()
+    return made[0]
+
+
+def ray_options(resources: Mapping[str, float] | None) -> dict:
+    if not resources:
+        return {}
+    resources = dict(resources)
+    opts: dict[str, Any] = {}
+    for name, option in (("CPU", "num_cpus"), ("GPU", "num_gpus"), ("memory", "memory")):
+        if name in resources:
+            opts[option] = resources.pop(name)
+    if resources:
+        opts["resources"] = resources
+    return opts
