@@ -7,8 +7,7 @@ from raydag import shuffle as _shuffle  # noqa: F401  (registers its bundles)
 from raydag.api import get, persist, ray_get
 from raydag.core.events import WorkerDiedError
 from raydag.core.graph import GraphError
-from raydag.observe.record import last_run
-from raydag.observe.report import performance_report
+from raydag.observe.record import last_run, performance_report
 from raydag.runtime.cluster import connect
 
 __all__ = [

@@ -17,6 +17,7 @@ import pytest
 import raydag
 import raydag.runtime
 import raydag.shuffle
+import raydag.shuffle.tasks
 from raydag.shuffle import MAP, PIECE, IncompatiblePartitionError
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -222,7 +223,7 @@ def test_inputs_per_map_auto(monkeypatch):
         (0, 100, 100, 10),
         (0, 3, 5000, 3),  # never more than the inputs
     ]:
-        monkeypatch.setattr(raydag.shuffle, "_cluster_cpus", lambda c=cpus: c)
+        monkeypatch.setattr(raydag.shuffle.tasks, "_cluster_cpus", lambda c=cpus: c)
         assert inputs_per_map(nin, nout) == want, (cpus, nin, nout)
     with dask.config.set({"raydag.shuffle.max-pieces": 100}):
         assert inputs_per_map(12, 10) == 2

@@ -825,3 +825,27 @@ def _jsonable(x: Any) -> Any:
 def _worst(statuses: Any) -> str:
     order = {"ok": 0, "aborted": 1, "failed": 2}
     return max(statuses, key=lambda s: order.get(s, 3), default="ok")
+
+
+@contextlib.contextmanager
+def performance_report(
+    filename: str | os.PathLike[str] = "raydag-report.html", title: str | None = None
+) -> Iterator[list[RunRecord]]:
+    """Record every raydag compute in the block; write their report on leaving it.
+
+    Like ``distributed.performance_report``. The report is written even when the
+    block raises: that is when it is wanted most. Yields the list the records are
+    collected into.
+    """
+    with collecting() as runs:
+        try:
+            yield runs
+        finally:
+            from raydag.observe.report import write_report
+
+            try:
+                write_report(
+                    RunRecord.merge(runs), filename, title=title or "raydag performance report"
+                )
+            except Exception:
+                logger.exception("raydag: could not write the report to %s", filename)

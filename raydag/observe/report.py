@@ -18,15 +18,12 @@ on a cluster's login node. It shows, on one clock:
 
 from __future__ import annotations
 
-import contextlib
 import html
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from raydag.observe import record as _record
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -647,32 +644,12 @@ def write_report(
     filename: str | os.PathLike[str],
     title: str | None = None,
 ) -> Path:
-    """Write the report of one record, or of several merged on one clock."""
-    if not isinstance(records, _record.RunRecord):
-        records = _record.RunRecord.merge(list(records))
+    """Write the report of one record, or of several (at least one) merged on one clock."""
+    if isinstance(records, Sequence):
+        records = type(records[0]).merge(list(records))
     path = Path(filename)
     if path.parent != Path(""):
         path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render(records, title), encoding="utf-8")
     logger.info("raydag: wrote the report to %s", path)
     return path
-
-
-@contextlib.contextmanager
-def performance_report(
-    filename: str | os.PathLike[str] = "raydag-report.html", title: str | None = None
-) -> Iterator[list[RunRecord]]:
-    """Record every raydag compute in the block; write their report on leaving it.
-
-    Like ``distributed.performance_report``. The report is written even when the
-    block raises: that is when it is wanted most. Yields the list the records are
-    collected into.
-    """
-    with _record.collecting() as runs:
-        try:
-            yield runs
-        finally:
-            try:
-                write_report(runs, filename, title=title or "raydag performance report")
-            except Exception:
-                logger.exception("raydag: could not write the report to %s", filename)

@@ -11,7 +11,7 @@ from typing import Any
 from dask._task_spec import List, Task, TaskRef
 from dask.dataframe.dask_expr._shuffle import SimpleShuffle
 
-from raydag.shuffle import MAP, PIECE, concat, inputs_per_map, piece, split
+from raydag.shuffle.tasks import MAP, PIECE, concat, inputs_per_map, piece, split
 
 
 class RaydagShuffle(SimpleShuffle):
