@@ -157,6 +157,24 @@ class Recoverer:
         for g in list(s.groups.values()):
             if lost_set.intersection(g.inputs):
                 reset.extend(s.reset_group(g, out))
+        recompute = self._lineage(lost)
+        for k in recompute:
+            ts = tasks[k]
+            ts.recovering = True
+            s.transition(ts, WAITING)
+        reset.extend(self._unkept(recompute, out))
+        self.wave += 1
+        out.append(Recover(self.wave, tuple(lost), tuple(recompute), reason))
+        touched = set(recompute) | set(reset)
+        for k in lost:
+            touched.update(tasks[k].dependents)
+        self._recount(touched, recompute)
+
+    def _lineage(self, lost: list) -> list:
+        """The lost values and the released inputs their recomputation reads,
+        transitively; a released given value is held again (its owner still has it)."""
+        tasks = self.s.tasks
+        lost_set = set(lost)
         recompute: list = []
         seen: set = set()
         stack = list(lost)
@@ -169,20 +187,14 @@ class Recoverer:
             for d in tasks[k].dependencies:
                 td = tasks[d]
                 if td.given and td.state == RELEASED:
-                    s.transition(td, MEMORY)  # the given value is still held by its owner
+                    self.s.transition(td, MEMORY)
                 elif td.state == RELEASED or d in lost_set:
                     stack.append(d)
-        for k in recompute:
-            ts = tasks[k]
-            ts.recovering = True
-            s.transition(ts, WAITING)
-        reset.extend(self._unkept(recompute, out))
-        self.wave += 1
-        out.append(Recover(self.wave, tuple(lost), tuple(recompute), reason))
-        # Recount what changed: who waits on what, and who is ready now.
-        touched = set(recompute) | set(reset)
-        for k in lost:
-            touched.update(tasks[k].dependents)
+        return recompute
+
+    def _recount(self, touched: set, recompute: list) -> None:
+        """Who waits on what after a wave, and who is ready now."""
+        s, tasks = self.s, self.s.tasks
         for k in touched:
             ts = tasks[k]
             if ts.state not in (WAITING, READY):

@@ -325,39 +325,52 @@ class State:
             del self.copies[cid]
             self.speculator.dropped(cid)
         self.used -= group.cost * len(group.copies)
+        self._learn(group, ev)
         tasks = self.tasks
-        kept = group.kept
-        # a lone task's pace tells its node's (not a fused group's: cheap by construction)
-        pace = None
-        alone = len(group.keys) == 1 + len(group.consumers)
-        sp = self.speculator
-        if sp.enabled and sp.settings.slow_node is not None and alone and ev.node is not None:
-            pace = self.node(ev.node).pace
         for m in group.keys:
             ts = tasks[m]
             ts.group = None
-            if m in ev.durations:
-                cat = self.category(ts.category)
-                cat.count += 1
-                cat.total += ev.durations[m]
-                sp.learn(cat, ev.durations[m], pace)
             for dep in ts.dependencies:
-                if dep in group.members:
-                    continue
-                td = tasks[dep]
-                td.waiters -= 1
-                if td.waiters == 0 and not td.output:
-                    self.transition(td, RELEASED)
-            if m not in kept:
+                if dep not in group.members:
+                    self._one_waiter_less(tasks[dep])
+            if m not in group.kept:
                 ts.waiters = 0
                 self.transition(ts, RELEASED)
             ts.recovering = False
+        self._keep(group, ev)
+        if ev.node is not None and not self.is_alive(ev.node):
+            # reported after its node's death: what it kept in that node's store is gone
+            self.recoverer.lose(group.kept, f"made on {ev.node[:12]}, which died", self.out)
+
+    def _learn(self, group: Group, ev: TaskFinished) -> None:
+        """Each category's runtimes; a lone task's pace tells its node's (a fused group's
+        does not: cheap by construction)."""
+        sp = self.speculator
+        pace = None
+        alone = len(group.keys) == 1 + len(group.consumers)
+        if sp.enabled and sp.settings.slow_node is not None and alone and ev.node is not None:
+            pace = self.node(ev.node).pace
+        for m, seconds in ev.durations.items():
+            if m in group.members:
+                cat = self.category(self.tasks[m].category)
+                cat.count += 1
+                cat.total += seconds
+                sp.learn(cat, seconds, pace)
+
+    def _one_waiter_less(self, ts: TaskState) -> None:
+        ts.waiters -= 1
+        if ts.waiters == 0 and not ts.output:
+            self.transition(ts, RELEASED)
+
+    def _keep(self, group: Group, ev: TaskFinished) -> None:
+        """The group's kept values are in memory, where the copy ran; readers get ready."""
+        kept = group.kept
         sizes = ev.sizes
         if len(sizes) != len(kept):  # not told: a bundle's pieces are about alike
             sizes = (ev.nbytes // len(kept),) * len(kept)
         inlined = 0
         for root, nbytes in zip(kept, sizes, strict=True):
-            ts = tasks[root]
+            ts = self.tasks[root]
             if self.placer.settings.enabled:  # sizes per category: only placement reads them
                 cat = self.category(ts.category)
                 cat.made += 1
@@ -368,7 +381,7 @@ class State:
             inlined += nbytes if ts.inline else 0
             self.transition(ts, MEMORY)
             for d in ts.dependents:
-                td = tasks[d]
+                td = self.tasks[d]
                 if td.state != WAITING:  # given, or released lineage of a given value
                     continue
                 td.missing -= 1
@@ -376,9 +389,6 @@ class State:
                     self.transition(td, READY)
             if ts.waiters == 0 and not ts.output:  # a piece nobody reads
                 self.transition(ts, RELEASED)
-        if ev.node is not None and not self.is_alive(ev.node):
-            # reported after its node's death: what it kept in that node's store is gone
-            self.recoverer.lose(kept, f"made on {ev.node[:12]}, which died", self.out)
 
     def _on_erred(self, ev: TaskErred) -> None:
         group = self.copies.get(ev.copy)
