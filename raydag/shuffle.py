@@ -144,9 +144,9 @@ def piece(parts: Mapping[int, Any], j: int) -> Any:
 
 def concat(pieces: list, ignore_index: bool) -> Any:
     """The reducer: piece ``j`` of every map, in input order."""
-    from dask.dataframe.core import _concat
+    from raydag.compat import dataframe_concat
 
-    return _concat(pieces, ignore_index)
+    return dataframe_concat(pieces, ignore_index)
 
 
 # ---- the dask-expr side ----------------------------------------------------------------
@@ -165,8 +165,9 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from dask.dataframe.dask_expr._shuffle import Shuffle
     from dask.utils import get_default_shuffle_method
+
+    from raydag.compat import Shuffle
 
     original = Shuffle._lower
 
