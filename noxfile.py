@@ -1,12 +1,16 @@
-"""Test sessions: lint, the newest dask, and the HEP stack's older dask (what dask-awkward pins)."""
+"""Test sessions: lint, the newest dask, and the HEP stack's older dask (what dask-awkward pins);
+the lowest supported versions (floor), and a plain install without extras (plain)."""
 
 import os
+import pathlib
+import re
 import shutil
+import tempfile
 
 import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
-nox.options.sessions = ["lint", "tests", "tests_hep"]
+nox.options.sessions = ["lint", "tests", "tests_hep", "floor", "plain"]
 nox.options.reuse_existing_virtualenvs = True
 
 
@@ -72,3 +76,53 @@ def example(session: nox.Session) -> None:
     """The main job: a real example on an embedded local Ray."""
     session.install("-e", ".[test]")
     session.run("python", "examples/quickstart.py")
+
+
+# Floors installed as they are declared, but those whose floor is another's: pyyaml's
+# is dask's (raydag only calls safe_load), and 5.4.1 has no wheel for today's Pythons.
+NOT_PINNED = {"pyyaml"}
+# The fast subset: the state machine (dask.order, the task spec) but its randomised
+# runs (minutes, and the same whatever the versions), computes of every kind of
+# collection, every private API and tests/plain_install.py's checks (test_compat.py).
+FLOOR_TESTS = ["tests/test_state.py", "tests/test_compute.py", "tests/test_compat.py"]
+FLOOR_SKIP = "not test_random_"
+
+
+def floors() -> dict[str, str]:
+    """pyproject.toml's ``name>=version`` dependencies: {name: version}."""
+    text = pathlib.Path("pyproject.toml").read_text()
+    deps = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M).group(1)
+    return dict(re.findall(r'^\s*"([A-Za-z0-9_.-]+)>=([^",;]+)"', deps, re.M))
+
+
+@nox.session(reuse_venv=False)
+def floor(session: nox.Session) -> None:
+    """The lowest supported ray, dask, pyarrow, pandas, ... (pyproject's floors), fresh."""
+    pins = {name: v for name, v in floors().items() if name.lower() not in NOT_PINNED}
+    # Not in session.create_tmp(): that sets TMPDIR inside the venv, where Ray 2.52
+    # refuses to put its temp_dir.
+    with tempfile.TemporaryDirectory() as tmp:
+        constraints = os.path.join(tmp, "floors.txt")
+        with open(constraints, "w") as f:
+            f.writelines(f"{name}=={v}\n" for name, v in pins.items())
+        session.install("-c", constraints, "-e", ".[test]")
+    session.run("python", "-c", FLOOR_CHECK, *(f"{n}=={v}" for n, v in pins.items()))
+    args = session.posargs or [*FLOOR_TESTS, "-k", FLOOR_SKIP]
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "--durations=5", *args)
+
+
+FLOOR_CHECK = """
+import sys, importlib.metadata as m
+from packaging.version import Version
+got = {p.split("==")[0]: m.version(p.split("==")[0]) for p in sys.argv[1:]}
+print("installed:", ", ".join(f"{n}=={v}" for n, v in got.items()))
+wrong = [p for p in sys.argv[1:] if Version(got[p.split("==")[0]]) != Version(p.split("==")[1])]
+assert not wrong, f"not the floor: {wrong}"
+"""
+
+
+@nox.session(reuse_venv=False)
+def plain(session: nox.Session) -> None:
+    """``pip install .`` with no extras, fresh: a compute, its run record and its report."""
+    session.install(".")
+    session.run("python", "tests/plain_install.py")

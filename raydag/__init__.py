@@ -20,4 +20,16 @@ __all__ = [
     "persist",
     "ray_get",
 ]
-__version__ = "0.1.0"
+
+
+def _version() -> str:
+    """The installed distribution's version (one string: pyproject.toml's)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("raydag")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "0+unknown"
+
+
+__version__ = _version()

@@ -19,15 +19,13 @@ from typing import Any
 import ray
 import ray.exceptions as rex
 from coffea.processor.accumulator import accumulate
-from coffea.processor.executor import (
-    ExecutorBase,
-    _compression_wrapper,
-    _decompress,
-    _reduce,
-)
+from coffea.processor.executor import ExecutorBase
 from coffea.util import rich_bar
 
 from raydag import config, runtime
+from raydag.compat import coffea_helpers
+
+_compression_wrapper, _decompress, _reduce = coffea_helpers()
 
 logger = logging.getLogger(__name__)
 

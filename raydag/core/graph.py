@@ -14,9 +14,10 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dask._task_spec import DataNode, GraphNode, convert_legacy_graph
 from dask.core import flatten
 from dask.order import order
+
+from raydag.compat import DataNode, GraphNode, convert_legacy_graph
 
 Key = Hashable
 

@@ -45,9 +45,9 @@ def alive_nodes() -> dict[str, float]:
 
 def idle_cpus(alive: Mapping[str, float]) -> dict[str, float]:
     """Free CPUs of each alive node, as the cluster's control store last heard."""
-    from ray._private import state as ray_state
+    from raydag.compat import available_resources_per_node
 
-    free = ray_state.available_resources_per_node()
+    free = available_resources_per_node()
     return {n: float(free.get(n, {}).get("CPU", 0.0)) for n in alive}
 
 

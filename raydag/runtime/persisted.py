@@ -8,7 +8,8 @@ from collections.abc import Hashable, Mapping
 from typing import Any
 
 import ray
-from dask._task_spec import TaskRef
+
+from raydag.compat import TaskRef
 
 Key = Hashable
 

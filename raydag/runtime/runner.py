@@ -21,6 +21,7 @@ import ray.exceptions as rex
 from dask.callbacks import unpack_callbacks
 
 from raydag import config
+from raydag.compat import node_affinity
 from raydag.core.events import (
     Aborted,
     Cancel,
@@ -415,11 +416,7 @@ class Runner:
                 # A duplicate: on that node and no other (soft=False), never by its
                 # original. A placed task: there if it can, elsewhere if that node is
                 # gone or has no CPU free (soft, spilling).
-                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-                opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
-                    sub.node, soft=sub.soft, _spill_on_unavailable=sub.soft
-                )
+                opts["scheduling_strategy"] = node_affinity(sub.node, sub.soft)
             fn = self._options[(spec, sub.node, sub.soft)] = remote_group.options(**opts)
         notify = None
         if sub.notify:

@@ -22,6 +22,8 @@ from typing import Any
 
 import ray
 
+from raydag import compat
+
 logger = logging.getLogger(__name__)
 
 NodeId = str  # a node's id in hex, as ``ray.nodes()[i]["NodeID"]``
@@ -84,14 +86,14 @@ class StoreReader:
 
     def read(self) -> dict[NodeId, StoreStats]:
         """Stats of every alive node that answered within ``timeout``; others are logged."""
-        from ray.core.generated import node_manager_pb2
-
+        request = compat.node_stats_request()
+        if request is None:  # this Ray's raylet API is not one raydag knows: said once
+            return {}
         alive = {
             n["NodeID"]: f"{n['NodeManagerAddress']}:{n['NodeManagerPort']}"
             for n in ray.nodes()
             if n.get("Alive")
         }
-        request = node_manager_pb2.GetNodeStatsRequest(include_memory_info=False)
         with self._lock:
             self._forget(set(self._stubs) - set(alive))
             futures = {
@@ -128,19 +130,8 @@ class StoreReader:
         known = self._stubs.get(node)
         if known is not None and known[0] == address:
             return known[2]
-        from ray._private.grpc_utils import init_grpc_channel
-        from ray.core.generated import node_manager_pb2_grpc
-
         self._forget({node})
-        size = ray._config.max_grpc_message_size()
-        channel = init_grpc_channel(
-            address,
-            options=[
-                ("grpc.max_send_message_length", size),
-                ("grpc.max_receive_message_length", size),
-            ],
-        )
-        stub = node_manager_pb2_grpc.NodeManagerServiceStub(channel)
+        channel, stub = compat.raylet_stub(address)
         self._stubs[node] = (address, channel, stub)
         logger.debug("opened a store-stats channel to node %s at %s", node[:8], address)
         return stub

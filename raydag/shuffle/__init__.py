@@ -83,8 +83,9 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from dask.dataframe.dask_expr._shuffle import Shuffle
     from dask.utils import get_default_shuffle_method
+
+    from raydag.compat import Shuffle
 
     original = Shuffle._lower
 

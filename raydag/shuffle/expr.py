@@ -8,9 +8,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from dask._task_spec import List, Task, TaskRef
-from dask.dataframe.dask_expr._shuffle import SimpleShuffle
-
+from raydag.compat import List, SimpleShuffle, Task, TaskRef
 from raydag.shuffle.tasks import MAP, PIECE, concat, inputs_per_map, piece, split
 
 

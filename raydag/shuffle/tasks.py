@@ -97,6 +97,6 @@ def piece(parts: Mapping[int, Any], j: int) -> Any:
 
 def concat(pieces: list, ignore_index: bool) -> Any:
     """The reducer: piece ``j`` of every map, in input order."""
-    from dask.dataframe.core import _concat
+    from raydag.compat import dataframe_concat
 
-    return _concat(pieces, ignore_index)
+    return dataframe_concat(pieces, ignore_index)
