@@ -233,11 +233,13 @@ def ray_start_1_cpu(ray_cluster):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Skips and xfails from the tables; multi-node tests marked ``cluster`` (run last
-    by tests/conftest.py, left out of the tests_hep session)."""
+    """Skips and xfails from the tables; every test marked ``ray_only`` (Ray's
+    Dask-on-Ray API on raydag's Ray layer: the tests session runs them, on the newest
+    dask), multi-node tests ``cluster`` too (run last by tests/conftest.py)."""
     for item in items:
         if "scheduler_under_test" not in getattr(item, "fixturenames", ()):
             continue  # not this folder's
+        item.add_marker(pytest.mark.ray_only)
         key = _key(item)
         if key in SKIP:
             item.add_marker(pytest.mark.skip(reason=f"fails on ray_dask_get: {SKIP[key]}"))
