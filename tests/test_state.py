@@ -1,6 +1,6 @@
 """The scheduling state machine on its own: random graphs, a simulated driver, no Ray.
 
-``raydag.state`` makes every decision (order, release, fusion, retries), so its
+``raydag.core.state`` makes every decision (order, release, fusion, retries), so its
 properties are checked here against an independent model of what has run, what is
 held and what is ready, on every event of many random runs.
 """
@@ -18,20 +18,14 @@ from dask.order import order
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from raydag.state import (
-    CONSUMERS_SHARE,
-    PROBES,
+from raydag.core.events import (
     Aborted,
     Cancel,
-    CapacityChanged,
+    CpusChanged,
     Fail,
-    Fusion,
-    Placement,
     Recover,
     Release,
     ResultsLost,
-    Speculation,
-    State,
     StoresSampled,
     Submit,
     TaskErred,
@@ -41,11 +35,35 @@ from raydag.state import (
     Won,
     WorkerDiedError,
 )
+from raydag.core.fusion import CONSUMERS_SHARE, PROBES, Fusion
+from raydag.core.placement import Placement
+from raydag.core.speculation import Speculation
+from raydag.core.state import State
 
-# Below Fusion().max_task_duration; a power of two, so that the state machine's means
-# and sums of it are exact and the model below can compare costs without rounding.
+# The cheap threshold these tests are built around (``Fusion()``'s default comes from
+# raydag.yaml and may differ): CHEAP is below it, SLOW above it.
+MAX_TASK_DURATION = 0.005
+# Below MAX_TASK_DURATION; a power of two, so that the state machine's means and sums
+# of it are exact and the model below can compare costs without rounding.
 CHEAP = 2**-10
 SLOW = 0.02  # above it: never fused
+
+
+def fusion_config(**kwargs) -> Fusion:
+    """``Fusion`` with the settings these tests assume, whatever raydag.yaml says."""
+    base = dict(
+        enabled=True,
+        max_task_duration=MAX_TASK_DURATION,
+        max_group_duration=0.25,
+        max_group_size=256,
+    )
+    return Fusion(**(base | kwargs))
+
+
+# Fusion off, as ``State`` had it by default: still, a task below MAX_TASK_DURATION is
+# cheap (a fraction of a slot, no start report).
+NO_FUSION = fusion_config(enabled=False)
+
 
 SETTINGS = settings(
     max_examples=100,
@@ -96,8 +114,8 @@ class Scenario:
     default_retries: int = 3
     cheap_cost: float = 1.0  # slots taken by a task measured cheap (exact in binary)
     fixed: set = dataclasses.field(default_factory=set)  # given, with no lineage here
-    speculation: Speculation = Speculation()
-    placement: Placement = Placement()
+    speculation: Speculation = Speculation(enabled=False)
+    placement: Placement = Placement(enabled=False)
     bundles: dict = dataclasses.field(default_factory=dict)  # shuffle map -> its pieces
 
     def state(self) -> State:
@@ -178,7 +196,7 @@ def scenarios(draw, fusion: bool | None = None, annotations: bool = True) -> Sce
         f"c{j}": CHEAP if j == 0 else draw(st.sampled_from([CHEAP, SLOW])) for j in range(ncat)
     }
     enabled = draw(st.booleans()) if fusion is None else fusion
-    cfg = Fusion(
+    cfg = fusion_config(
         enabled=enabled,
         max_group_duration=draw(st.sampled_from([0.0025, 0.01, 0.25])),
         max_group_size=draw(st.sampled_from([2, 3, 5, 256])),
@@ -217,7 +235,8 @@ class Driver:
 
     The model (what finished, what is held, what is in flight, what is being
     recovered) is built only from instructions and events, never read from the
-    ``State``, so it can disagree.
+    ``State``, so it can disagree. What is in flight is keyed by copy id (``_key``):
+    a retried or restarted group is a new copy, and its entry moves to the new id.
     """
 
     def __init__(self, sc: Scenario):
@@ -226,9 +245,10 @@ class Driver:
         self.dependents = dependents_of(sc.dependencies)
         self.state = sc.state()
         self.capacity = sc.capacity
-        self.inflight: dict[int, Submit] = {}
-        self.costs: dict[int, float] = {}  # group -> slots it took when submitted
+        self.inflight: dict[int, Submit] = {}  # copy -> its Submit
+        self.costs: dict[int, float] = {}  # copy -> slots its group took when submitted
         self.groups_seen: set[int] = set()
+        self.copies_seen: set[int] = set()  # copy ids are never reused
         self.submitted: set = set()
         # What the outputs need, up to given values; the rest is lineage of given values
         needed: set = set()
@@ -246,7 +266,8 @@ class Driver:
         self.released: set = set()
         self.roots: set = set()
         self.recovering: set = set()  # to be recomputed, not finished again yet
-        self.cancelled: list[int] = []  # groups cancelled by a recovery
+        self.cancelled: list[int] = []  # copies cancelled by a recovery
+        self.superseded: list[int] = []  # copies that died, their group retried as a new one
         self.known: dict[str, float] = {}  # category -> duration reported so far
         self.submits: list[Submit] = []
         self.stopped = False
@@ -257,10 +278,29 @@ class Driver:
         self.restored: set = set()
         self.lineage_run: set = set()
         self.piece_of = {p: m for m, ps in sc.bundles.items() for p in ps}
-        # group -> the consumers that run in its task after the key they read
+        # copy -> the consumers that run in its task after the key they read
         self.consumers_of: dict[int, tuple] = {}
         self.absorbed: list[int] = []  # how many consumers each such group took
         self.runs: collections.Counter = collections.Counter()  # category -> runs reported
+
+    def _key(self, sub: Submit) -> int:
+        """What the model keys a group in flight by: its copy."""
+        return sub.copy
+
+    def _fresh_copy(self, sub: Submit) -> None:
+        assert sub.copy not in self.copies_seen, ("copy id reused", sub)
+        self.copies_seen.add(sub.copy)
+
+    def _moved(self, old: int, again: Submit) -> None:
+        """The group of copy ``old`` runs again as ``again``, a new copy."""
+        assert again.copy != old, (old, again)
+        self._fresh_copy(again)
+        self.superseded.append(old)
+        del self.inflight[old]
+        self.inflight[again.copy] = again
+        self.costs[again.copy] = self.costs.pop(old)
+        if old in self.consumers_of:
+            self.consumers_of[again.copy] = self.consumers_of.pop(old)
 
     # -- events ---------------------------------------------------------------
 
@@ -269,10 +309,12 @@ class Driver:
         self._apply(out)
         for s in out:  # nothing is measured yet: only consumers come along, as probes
             if isinstance(s, Submit) and not s.returns:
-                assert len(s.keys) == 1 + len(self.consumers_of[s.group]), ("fused early", s)
+                consumers = self.consumers_of[self._key(s)]
+                assert len(s.keys) == 1 + len(consumers), ("fused early", s)
         return out
 
     def finish(self, gid: int) -> list:
+        """Copy ``gid`` finishes."""
         sub = self.inflight.pop(gid)
         self.consumers_of.pop(gid, None)
         self.finished.update(sub.keys)
@@ -290,13 +332,13 @@ class Driver:
         out = self.state.handle(
             TaskFinished(gid, durations, nbytes=8 * len(sub.kept), node=node, sizes=sizes)
         )
-        assert all(self.state.where[k] == node for k in sub.kept)
+        assert all(self.state.tasks[k].node == node for k in sub.kept)
         self._apply(out)
         return out
 
     def change_capacity(self, slots: int) -> list:
         self.capacity = slots
-        out = self.state.handle(CapacityChanged(slots))
+        out = self.state.handle(CpusChanged(slots))
         self._apply(out)
         return out
 
@@ -306,13 +348,14 @@ class Driver:
         self.errors += 1
         annotated = max(self.sc.retries.get(k, 0) for k in sub.keys)
         limit = max(annotated, self.sc.default_retries) if retryable else annotated
-        out = self.state.handle(TaskErred(gid, key, error, retryable))
+        out = self.state.handle(TaskErred(gid, key, error, worker_died=retryable))
         self.state.validate_state()
         if sub.attempt < limit:
-            again = dataclasses.replace(sub, attempt=sub.attempt + 1)
             out = [_same_notify(i, sub) for i in out]
+            assert len(out) == 1 and isinstance(out[0], Submit), (sub, out)
+            again = dataclasses.replace(sub, copy=out[0].copy, attempt=sub.attempt + 1)
             assert out == [again], (sub, out)
-            self.inflight[gid] = again
+            self._moved(gid, again)
             self.retried += 1
             return out
         del self.inflight[gid]
@@ -323,14 +366,18 @@ class Driver:
         return out
 
     def node_lost(self, gid: int, key, retryable: bool) -> list:
-        """The node running ``gid`` died: the same group again, retries untouched."""
+        """The node running copy ``gid`` died: the same group again, as a new copy,
+        retries untouched."""
         sub = self.inflight[gid]
         error = ConnectionError(f"node died {self.errors}")
         self.errors += 1
-        out = self.state.handle(TaskErred(gid, key, error, retryable, node_lost=True))
+        out = self.state.handle(TaskErred(gid, key, error, worker_died=retryable, node_died=True))
         self.state.validate_state()
         out = [_same_notify(i, sub) for i in out]
-        assert out == [sub], (sub, out)
+        assert len(out) == 1 and isinstance(out[0], Submit), (sub, out)
+        again = dataclasses.replace(sub, copy=out[0].copy)
+        assert out == [again], (sub, out)
+        self._moved(gid, again)
         self.retried += 1
         return out
 
@@ -371,8 +418,8 @@ class Driver:
         # (a shuffle's map running for other pieces, a producer with other consumers)
         read = {d for k in expected for d in self.deps[k]}
         doomed = {
-            g
-            for g, sub in self.inflight.items()
+            c
+            for c, sub in self.inflight.items()
             if lost_set & set(sub.inputs) or read & (set(sub.keys) - set(sub.kept))
         }
 
@@ -397,15 +444,15 @@ class Driver:
         assert not recompute & (self.memory - lost_set), ("recomputes a held value", rec)
         for k in recompute - lost_set:  # never a finished key nobody needs
             assert k not in self.memory and self.dependents[k] & recompute, (k, rec)
-        cancels = [i.group for i in out if isinstance(i, Cancel)]
+        cancels = [i.copy for i in out if isinstance(i, Cancel)]
         assert len(cancels) == len(set(cancels)) and set(cancels) == doomed, (cancels, doomed)
         assert not any(isinstance(i, Fail) for i in out), out
 
-        for g in cancels:  # the cancelled run again, as new groups
-            sub = self.inflight.pop(g)
-            self.consumers_of.pop(g, None)
+        for c in cancels:  # the cancelled run again, as new groups
+            sub = self.inflight.pop(c)
+            self.consumers_of.pop(c, None)
             self.submitted -= set(sub.keys)
-            self.cancelled.append(g)
+            self.cancelled.append(c)
         for keyset in (self.finished, self.memory, self.released, self.roots, self.submitted):
             keyset -= recompute
         self.given -= recompute  # lost: its owner holds nothing until it is recomputed
@@ -419,27 +466,28 @@ class Driver:
         return out
 
     def late(self, gid: int) -> None:
-        """A result (or error) of a cancelled group arrives anyway: nothing changes."""
+        """A result (or error) of a cancelled copy arrives anyway: nothing changes."""
         st_ = self.state
 
         def snapshot():
             return (
-                dict(st_.state),
-                dict(st_.missing),
-                dict(st_.waiters),
-                dict(st_.where),
-                {c: list(v) for c, v in st_.stats.items()},
+                {
+                    k: (ts.state, ts.missing, ts.waiters, ts.node, ts.nbytes, ts.recovering)
+                    for k, ts in st_.tasks.items()
+                },
+                {c: (cat.count, cat.total) for c, cat in st_.categories.items()},
                 set(st_.groups),
+                set(st_.copies),
                 sorted(map(str, st_.ready)),
-                set(st_.recovering),
                 st_.used,
                 st_.wave,
             )
 
         before = snapshot()
-        durations = dict.fromkeys(st_.dependencies, 1.0)
+        durations = dict.fromkeys(st_.tasks, 1.0)
         assert st_.handle(TaskFinished(gid, durations, 8, node="late")) == []
-        assert st_.handle(TaskErred(gid, "x", RuntimeError(), True, node_lost=True)) == []
+        err = TaskErred(gid, "x", RuntimeError(), worker_died=True, node_died=True)
+        assert st_.handle(err) == []
         assert st_.handle(TaskErred(gid, "x", RuntimeError())) == []
         assert snapshot() == before
         st_.validate_state()
@@ -455,7 +503,7 @@ class Driver:
     def _check_stop(self, out: list) -> None:
         """Failure and abort: cancel all in flight, release all held, submit nothing."""
         assert not any(isinstance(i, Submit) for i in out), out
-        cancels = [i.group for i in out if isinstance(i, Cancel)]
+        cancels = [i.copy for i in out if isinstance(i, Cancel)]
         releases = [i.key for i in out if isinstance(i, Release)]
         assert sorted(cancels) == sorted(self.inflight), (cancels, self.inflight)
         assert sorted(releases) == sorted(self.memory), (releases, self.memory)
@@ -463,12 +511,12 @@ class Driver:
         cancelled, self.inflight = self.inflight, {}
         self.memory.clear()
         self.stopped = True
-        # results of cancelled groups may still arrive: they must change nothing
+        # results of cancelled copies may still arrive: they must change nothing
         for gid in cancelled:
             assert self.state.handle(TaskFinished(gid, {}, 0)) == []
-            assert self.state.handle(TaskErred(gid, "x", RuntimeError(), True)) == []
+            assert self.state.handle(TaskErred(gid, "x", RuntimeError(), worker_died=True)) == []
             self.state.validate_state()
-        assert self.state.handle(CapacityChanged(100)) == []
+        assert self.state.handle(CpusChanged(100)) == []
         assert self.state.handle(ResultsLost(tuple(self.deps))) == []
         assert self.state.done
 
@@ -549,8 +597,10 @@ class Driver:
     def _check_submit(self, sub: Submit) -> None:
         sc = self.sc
         keys, members = sub.keys, set(sub.keys)
+        assert not sub.duplicate, sub
         assert sub.group not in self.groups_seen, sub
         self.groups_seen.add(sub.group)
+        self._fresh_copy(sub)
         assert len(members) == len(keys), sub
         assert not members & self.submitted, ("submitted twice", members & self.submitted)
         assert not members & self.finished, ("finished key run again", members & self.finished)
@@ -568,8 +618,8 @@ class Driver:
         if used and len(keys) > 1 and not bundle:
             cost = min(cost, self.capacity - used)
         assert used == 0 or used + cost <= self.capacity, (sub, used, cost, self.capacity)
-        self.inflight[sub.group] = sub
-        self.costs[sub.group] = cost
+        self.inflight[self._key(sub)] = sub
+        self.costs[self._key(sub)] = cost
 
         assert sub.priority == sc.priorities[sub.root]
         assert sub.resources == sc.resources.get(sub.root)
@@ -605,7 +655,8 @@ class Driver:
             assert len(keys) <= f.max_group_size, (len(keys), f.max_group_size, sub)
             for k in keys:
                 assert sc.resources.get(k) == sc.resources.get(keys[0]), sub
-                assert sc.retries.get(k) == sc.retries.get(keys[0]), sub
+                # the same retries (an annotation of 0 retries is none: the same limit)
+                assert sc.retries.get(k, 0) == sc.retries.get(keys[0], 0), sub
         if len(chain) > 1:  # a chain of known-cheap tasks
             for k in chain:
                 seen = self.known.get(sc.categories[k])
@@ -629,11 +680,11 @@ class Driver:
                 led is not None and total <= led * CONSUMERS_SHARE
             ), ("consumers too slow to follow", sub, total, led)
             probes = {sc.categories[c] for c, k in zip(consumers, known, strict=True) if k is None}
-            others = [g for gid, g in self.inflight.items() if gid != sub.group]
+            others = [g for gid, g in self.inflight.items() if gid != self._key(sub)]
             running = {sc.categories[k] for g in others for k in g.keys}
             running |= {sc.categories[k] for k in chain}  # one probe per category, alone
             assert not probes & running, (sub, probes, running)
-        self.consumers_of[sub.group] = consumers
+        self.consumers_of[self._key(sub)] = consumers
         if consumers:
             self.absorbed.append(len(consumers))
         self.submits.append(sub)
@@ -681,8 +732,8 @@ class Driver:
         assert self.memory == sc.outputs
         assert self.released == (self.roots | sc.available) - sc.outputs
         for k in self.deps:
-            assert st_.state[k] == ("memory" if k in sc.outputs else "released"), k
-        assert not st_.recovering
+            assert st_.tasks[k].state == ("memory" if k in sc.outputs else "released"), k
+        assert not recovering(st_)
         self.outcome = "completed"
 
     def label(self) -> None:
@@ -804,7 +855,7 @@ def lose_at_random(d: Driver, data: st.DataObject) -> None:
             actions += ["lose"] * (3 if d.inflight else 1)
         if d.inflight and node_deaths < 4:
             actions += ["node lost", "input lost"]
-        if d.cancelled and lates < 4:
+        if (d.cancelled or d.superseded) and lates < 4:
             actions.append("late")
         if not d.inflight:
             actions.append("end")
@@ -815,7 +866,7 @@ def lose_at_random(d: Driver, data: st.DataObject) -> None:
             d.finish(data.draw(st.sampled_from(sorted(d.inflight))))
         elif action == "late":
             lates += 1
-            d.late(data.draw(st.sampled_from(d.cancelled)))
+            d.late(data.draw(st.sampled_from(d.cancelled + d.superseded)))
         elif action == "lose":
             losses += 1
             fixed_too = data.draw(st.integers(0, 9)) == 0  # which fails the compute
@@ -847,31 +898,38 @@ def lose_at_random(d: Driver, data: st.DataObject) -> None:
 class SpecDriver(Driver):
     """``Driver`` with speculative duplicates: copies start, tick, win, lose and die.
 
-    ``inflight`` keeps each group's first Submit while the group runs; ``live`` its
-    running copies (the group's id for the first, new ids for duplicates).
+    ``inflight`` keeps each group's first Submit while the group runs, keyed by the
+    group's id (``_key``); ``live`` its running copies (the first, duplicates), each
+    with an id of its own; ``group_of`` each live copy's group.
     """
 
     NODES = ("node0", "node1", "node2")
 
     def __init__(self, sc: Scenario):
         super().__init__(sc)
-        self.live: dict[int, set] = {}
+        self.live: dict[int, set] = {}  # group -> its live copies
+        self.group_of: dict[int, int] = {}  # live copy -> its group
         self.dups: dict[int, Submit] = {}  # duplicate copy id -> its Submit
         self.node: dict[int, str] = {}  # copy -> node, once known
         self.started: dict[int, float] = {}
         self.now = 0.0
         self.idle: dict[str, float] = {}
-        self.copy_cancels: list[int] = []  # copies cancelled: their late results change nothing
+        # copies cancelled or dead: their late results change nothing
+        self.copy_cancels: list[int] = []
         self.dup_wins = self.preempted = self.spared = self.n_dups = 0
         self.launched: dict[int, int] = {}  # group -> duplicates started
         self.via_tick = False  # the instructions being checked answer a Tick
 
+    def _key(self, sub: Submit) -> int:
+        return sub.group
+
     def _boosted(self, key) -> bool:
-        """Known long while a node straggles: it may go first (``State._short_handed``)."""
-        return self.state._short_handed() and self.state._known_long(key)
+        """Known long while a node straggles: it may go first (``short_handed``)."""
+        sp = self.state.speculator
+        return sp.short_handed() and sp.known_long(key)
 
     def copy_group(self, cid: int) -> int:
-        return self.dups[cid].duplicate_of if cid in self.dups else cid
+        return self.group_of[cid]
 
     def _used(self) -> float:
         return sum(self.costs[g] * len(self.live[g]) for g in self.inflight)
@@ -880,7 +938,7 @@ class SpecDriver(Driver):
         return sum(self.costs[g] for g in self.inflight)
 
     def _forget_copy(self, cid: int) -> None:
-        gid = self.copy_group(cid)
+        gid = self.group_of.pop(cid)
         self.live[gid].discard(cid)
         self.dups.pop(cid, None)
         self.node.pop(cid, None)
@@ -890,19 +948,21 @@ class SpecDriver(Driver):
         rest, dups = [], []
         for ins in out:
             if isinstance(ins, Cancel):  # a spare duplicate, so that ready work runs
-                assert ins.group in self.dups and len(self.live[self.copy_group(ins.group)]) > 1
-                self._forget_copy(ins.group)
-                self.copy_cancels.append(ins.group)
+                assert ins.copy in self.dups and len(self.live[self.copy_group(ins.copy)]) > 1
+                self._forget_copy(ins.copy)
+                self.copy_cancels.append(ins.copy)
                 self.preempted += 1
-            elif isinstance(ins, Submit) and ins.duplicate_of is not None:
+            elif isinstance(ins, Submit) and ins.duplicate:
                 dups.append(ins)
             else:
                 rest.append(ins)
         for ins in rest:
             if isinstance(ins, Submit):
-                self.live[ins.group] = {ins.group}
-                self.started.pop(ins.group, None)
-                self.node.pop(ins.group, None)
+                assert ins.group not in self.live, ("a group submitted twice", ins)
+                self.live[ins.group] = {ins.copy}
+                self.group_of[ins.copy] = ins.group
+                self.started.pop(ins.copy, None)
+                self.node.pop(ins.copy, None)
         self._deferred = bool(dups)
         try:
             super()._apply(rest)
@@ -916,10 +976,10 @@ class SpecDriver(Driver):
 
     def _check_duplicate(self, sub: Submit) -> None:
         sp = self.sc.speculation
-        gid = sub.duplicate_of
+        assert sub.duplicate, sub
+        gid = sub.group  # the group it duplicates
         first = self.inflight[gid]
-        assert sub.group not in self.groups_seen, sub
-        self.groups_seen.add(sub.group)
+        self._fresh_copy(sub)
         assert (sub.keys, sub.inputs, sub.attempt) == (first.keys, first.inputs, first.attempt)
         assert sub.returns == first.returns, sub
         consumers = self.consumers_of[gid]
@@ -943,9 +1003,10 @@ class SpecDriver(Driver):
         self.launched[gid] = self.launched.get(gid, 0) + 1
         assert self.launched[gid] <= sp.max_copies, ("too many duplicates of one task", sub)
         assert len(self.dups) < sp.max_in_flight, ("too many duplicates", sub)
-        self.live[gid].add(sub.group)
-        self.dups[sub.group] = sub
-        self.node[sub.group] = sub.node
+        self.live[gid].add(sub.copy)
+        self.group_of[sub.copy] = gid
+        self.dups[sub.copy] = sub
+        self.node[sub.copy] = sub.node
         self.n_dups += 1
         assert self._used() <= self.capacity + 1e-9, ("duplicate beyond capacity", sub)
 
@@ -969,10 +1030,10 @@ class SpecDriver(Driver):
         self.node[cid] = node
         self.started[cid] = self.now
         if cid not in self.dups:
-            cpus = self._cpus(self.inflight[cid].root)
+            cpus = self._cpus(self.inflight[self.copy_group(cid)].root)
             self.idle[node] = max(0.0, self.idle.get(node, 0) - cpus)
         out = self.state.handle(TaskStarted(cid, node, self.now))
-        assert all(isinstance(i, Submit) and i.duplicate_of is not None for i in out), out
+        assert all(isinstance(i, Submit) and i.duplicate for i in out), out
         self._apply(out)
         return out
 
@@ -989,7 +1050,7 @@ class SpecDriver(Driver):
         self.idle[node] = max(self.idle.get(node, 0), self._cpus(sub.root))
         out = self.state.handle(TaskFinished(cid, durations, 8, node=node, started=started))
         wons = [i for i in out if isinstance(i, Won)]
-        cancels = [i.group for i in out if isinstance(i, Cancel) and i.group in losers]
+        cancels = [i.copy for i in out if isinstance(i, Cancel) and i.copy in losers]
         assert sorted(cancels) == sorted(losers), (cancels, losers, out)
         if cid in self.dups:
             assert len(wons) == 1 and wons[0].copy == cid and set(wons[0].losers) == losers
@@ -1004,7 +1065,7 @@ class SpecDriver(Driver):
             self.copy_cancels.append(c)
         self._forget_copy(cid)
         del self.live[gid]
-        assert all(self.state.where[k] == node for k in sub.kept)
+        assert all(self.state.tasks[k].node == node for k in sub.kept)
         # the model's bookkeeping of a finished group (as Driver.finish)
         self.inflight.pop(gid)
         self.consumers_of.pop(gid, None)
@@ -1016,7 +1077,7 @@ class SpecDriver(Driver):
             self.known[self.sc.categories[k]] = self.sc.durations[self.sc.categories[k]]
             self.runs[self.sc.categories[k]] += 1
         rest = [i for i in out if not isinstance(i, Won) and not (
-            isinstance(i, Cancel) and i.group in losers)]  # fmt: skip
+            isinstance(i, Cancel) and i.copy in losers)]  # fmt: skip
         self._apply(rest)
         return out
 
@@ -1025,9 +1086,10 @@ class SpecDriver(Driver):
         gid = self.copy_group(cid)
         sub = self.inflight[gid]
         others = self.live[gid] - {cid}
-        out = self.state.handle(TaskErred(cid, sub.root, ConnectionError(), node_lost=True))
+        out = self.state.handle(TaskErred(cid, sub.root, ConnectionError(), node_died=True))
         self.state.validate_state()
         self._forget_copy(cid)
+        self.copy_cancels.append(cid)  # a late report of it is no one's any more
         if others:
             assert out == [], ("restarted though a copy runs on", out)
             self.spared += 1
@@ -1039,8 +1101,13 @@ class SpecDriver(Driver):
                 dataclasses.replace(_same_notify(i, sub), node=sub.node, soft=sub.soft) for i in out
             ]
             out = [dataclasses.replace(i, placed=sub.placed) for i in out]
-            assert out == [sub], (sub, out)
-            self.live[gid] = {gid}
+            assert len(out) == 1 and isinstance(out[0], Submit), (sub, out)
+            again = dataclasses.replace(sub, copy=out[0].copy)  # a new copy of the group
+            assert out == [again] and again.copy != cid, (sub, out)
+            self._fresh_copy(again)
+            self.inflight[gid] = again
+            self.live[gid] = {again.copy}
+            self.group_of[again.copy] = gid
             self.retried += 1
         assert abs(self._used() - self.state.used) < 1e-9, (self._used(), self.state.used)
         return out
@@ -1096,7 +1163,7 @@ def test_random_runs_with_duplicates(sc, data):
         else:
             d.copy_node_lost(data.draw(st.sampled_from(copies)))
     d.check_complete()
-    assert not d.state.copy_of
+    assert not d.state.copies and not d.state.speculator.in_flight
     d.label()
     event("duplicated" if d.n_dups else "no duplicate")
     if d.dup_wins:
@@ -1226,22 +1293,26 @@ def test_random_runs_under_store_pressure(sc, data):
 def test_placement_steers_off_a_full_node_and_consumers_go_first():
     deps = {"a": set(), "b": set(), "x": {"a"}, "y": {"b"}, "s": set(), "z": {"x", "y", "s"}}
     prio = {"s": 0, "a": 1, "b": 2, "x": 3, "y": 4, "z": 5}
-    one_kind = {"category": lambda k: "c", "placement": Placement(enabled=True, min_output=0)}
+    one_kind = {
+        "category": lambda k: "c",
+        "placement": Placement(enabled=True, min_output=0),
+        "fusion": NO_FUSION,
+    }
     s = State(deps, prio, ["z"], capacity=2, **one_kind)
     first = submits(s.start())
     assert [f.root for f in first] == ["s", "a"] and all(f.node is None for f in first)
-    assert submits(s.handle(TaskFinished(first[1].group, {"a": 1.0}, 500, "n0"))) == [
-        Submit(2, ("b",), (), 2, None, notify=True)
-    ]
+    (b,) = submits(s.handle(TaskFinished(first[1].copy, {"a": 1.0}, 500, "n0")))
+    assert b == Submit(b.copy, b.group, ("b",), (), 2, None, notify=True)
+    assert b.copy not in {f.copy for f in first} and b.group not in {f.group for f in first}
     # n0 (holding a) is full, n1 has the most free store and a free CPU
     stores = {"n0": (900, 1000), "n1": (100, 1000), "n2": (300, 1000)}
     assert s.handle(StoresSampled(stores, {"n0": 1, "n1": 1, "n2": 1})) == []
-    (x,) = submits(s.handle(TaskFinished(first[0].group, {"s": 1.0}, 10, "n2")))
+    (x,) = submits(s.handle(TaskFinished(first[0].copy, {"s": 1.0}, 10, "n2")))
     assert (x.root, x.node, x.soft) == ("x", "n1", True) and "n0" in x.placed
     s.validate_state()
     # n1 counts x's input it fetches and a value of its category's mean size
-    assert s.stores["n1"] == (100 + 500 + 255, 1000) and s.full == {"n0", "n1"}
-    (y,) = submits(s.handle(TaskFinished(2, {"b": 1.0}, 100, "n2")))
+    assert node_stores(s)["n1"] == (100 + 500 + 255, 1000) and full_nodes(s) == {"n0", "n1"}
+    (y,) = submits(s.handle(TaskFinished(b.copy, {"b": 1.0}, 100, "n2")))
     assert (y.root, y.node) == ("y", "n2")  # b's node, not full: locality
     s.validate_state()
     # store pressure: a ready consumer goes before a ready source of better priority
@@ -1250,24 +1321,24 @@ def test_placement_steers_off_a_full_node_and_consumers_go_first():
     s = State(deps, prio, ["end"], capacity=1, **one_kind)
     (a,) = submits(s.start())
     s.handle(StoresSampled({"n0": (950, 1000), "n1": (0, 1000)}, {"n1": 1}))
-    (b,) = submits(s.handle(TaskFinished(a.group, {"src1": 1.0}, 10, "n0")))
+    (b,) = submits(s.handle(TaskFinished(a.copy, {"src1": 1.0}, 10, "n0")))
     assert b.root == "use"  # not src2, though src2 ranks first
     s.validate_state()
 
 
 def test_placement_off_ignores_samples():
-    s = State({"a": set(), "b": {"a"}}, {"a": 0, "b": 1}, ["b"], capacity=1)
+    s = State({"a": set(), "b": {"a"}}, {"a": 0, "b": 1}, ["b"], capacity=1, fusion=NO_FUSION)
     (a,) = submits(s.start())
     s.handle(StoresSampled({"n0": (999, 1000), "n1": (0, 1000)}, {"n1": 1}))
-    (b,) = submits(s.handle(TaskFinished(a.group, {"a": 1.0}, 10, "n0")))
-    assert b.node is None and not s.full
+    (b,) = submits(s.handle(TaskFinished(a.copy, {"a": 1.0}, 10, "n0")))
+    assert b.node is None and not full_nodes(s)
 
 
 # ---- examples -------------------------------------------------------------------
 
 
 def spec_state(dependencies: dict, outputs, **kwargs) -> State:
-    sp = Speculation(enabled=True, quantile=None, long_task=1.0, min_runtime=0.5)
+    sp = Speculation(enabled=True, quantile=None, long_task=1.0, min_runtime=0.5, slow_node=None)
     return make(dependencies, outputs, speculation=kwargs.pop("speculation", sp), **kwargs)
 
 
@@ -1275,20 +1346,21 @@ def test_duplicate_goes_to_another_idle_node_and_first_result_wins():
     s = spec_state({"a": set(), "b": {"a"}}, ["b"], capacity=3)
     (first,) = submits(s.start())
     assert first.notify and first.node is None
-    assert s.handle(TaskStarted(first.group, "n0", 100.0)) == []
+    assert s.handle(TaskStarted(first.copy, "n0", 100.0)) == []
     # not yet long (0.3 s < min-runtime), then no idle node but its own
     assert s.handle(Tick(100.3, {"n0": 1, "n1": 1})) == []
     assert s.handle(Tick(102.0, {"n0": 1})) == []
     (dup,) = submits(s.handle(Tick(102.5, {"n0": 1, "n1": 1, "n2": 2})))
-    assert (dup.duplicate_of, dup.node, dup.keys) == (first.group, "n2", first.keys)
+    assert (dup.duplicate, dup.group, dup.node, dup.keys) == (True, first.group, "n2", first.keys)
+    assert dup.copy != first.copy
     assert s.used == 2
     s.validate_state()
     assert s.handle(Tick(103.0, {"n1": 1})) == []  # max-copies: one duplicate per task
-    out = s.handle(TaskFinished(dup.group, {"a": 2.0}, 8, "n2", 102.6))
+    out = s.handle(TaskFinished(dup.copy, {"a": 2.0}, 8, "n2", 102.6))
     won = [i for i in out if isinstance(i, Won)]
-    assert won == [Won("a", first.group, dup.group, (first.group,), won[0].saved, won[0].reason)]
+    assert won == [Won("a", first.group, dup.copy, (first.copy,), won[0].saved, won[0].reason)]
     assert won[0].saved == pytest.approx(2.6)  # the original's head start
-    assert Cancel(first.group) in out and s.where["a"] == "n2"
+    assert Cancel(first.copy) in out and s.tasks["a"].node == "n2"
     # where the loser runs: its worker may go down with it (a spare one is started)
     assert [i.node for i in out if isinstance(i, Cancel)] == ["n0"]
     (b,) = submits(out)
@@ -1296,7 +1368,7 @@ def test_duplicate_goes_to_another_idle_node_and_first_result_wins():
     # to the winner's node, where a CPU and a worker are free (the loser's is stopped)
     assert (b.node, b.soft) == ("n2", True) and "duplicate won" in b.placed
     # the original's late result is not taken
-    assert s.handle(TaskFinished(first.group, {"a": 9.0}, 8, "n0")) == []
+    assert s.handle(TaskFinished(first.copy, {"a": 9.0}, 8, "n0")) == []
     s.validate_state()
 
 
@@ -1304,63 +1376,67 @@ def test_no_duplicate_while_work_waits_and_ready_work_preempts_duplicates():
     s = spec_state({"a": set(), "b": set(), "x": set(), "d": {"b"}}, ["a", "d", "x"], capacity=3)
     subs = {sub.root: sub for sub in submits(s.start())}
     for k, t in (("a", 0.0), ("b", 4.8), ("x", 0.0)):
-        s.handle(TaskStarted(subs[k].group, f"n-{k}", t))
+        s.handle(TaskStarted(subs[k].copy, f"n-{k}", t))
     assert s.handle(Tick(5.0, {"n-d": 1})) == []  # no CPU idle: capacity is full
     # a slot is free and Ray last saw a CPU free on n-d: at once, no Tick needed
     # (``b`` has run only 0.2 s: not long)
     (dup,) = submits(finish(s, subs["x"], 0.1))
-    assert dup.duplicate_of == subs["a"].group and dup.node == "n-d"
-    s.handle(CapacityChanged(2))
+    assert dup.duplicate and dup.group == subs["a"].group and dup.node == "n-d"
+    s.handle(CpusChanged(2))
     out = finish(s, subs["b"], 0.1)  # ``d`` is ready: the duplicate makes room for it
-    assert out[0] == Cancel(dup.group) and [sub.root for sub in submits(out)] == ["d"]
+    assert out[0] == Cancel(dup.copy) and [sub.root for sub in submits(out)] == ["d"]
     assert out[0].node == "n-d"
     assert s.used == 2
     finish(s, subs["a"], 6.0)
-    assert s.handle(TaskFinished(dup.group, {"a": 1.0}, 8, "n-d")) == []
+    assert s.handle(TaskFinished(dup.copy, {"a": 1.0}, 8, "n-d")) == []
     s.validate_state()
 
 
 def test_first_copy_dying_leaves_the_duplicate_running():
     s = spec_state({"a": set()}, ["a"], capacity=2)
     (first,) = submits(s.start())
-    s.handle(TaskStarted(first.group, "n0", 0.0))
+    s.handle(TaskStarted(first.copy, "n0", 0.0))
     (dup,) = submits(s.handle(Tick(5.0, {"n0": 1, "n1": 1})))
-    s.handle(TaskStarted(dup.group, "n1", 5.0))
+    s.handle(TaskStarted(dup.copy, "n1", 5.0))
     assert s.handle(Tick(7.0)) == []
-    out = s.handle(TaskErred(first.group, "a", ConnectionError(), node_lost=True))
+    out = s.handle(TaskErred(first.copy, "a", ConnectionError(), node_died=True))
     assert out == []  # no restart from scratch: the duplicate carries on
     s.validate_state()
     assert s.used == 1
-    out = s.handle(TaskFinished(dup.group, {"a": 8.0}, 8, "n1", 5.0))
+    out = s.handle(TaskFinished(dup.copy, {"a": 8.0}, 8, "n1", 5.0))
     (won,) = [i for i in out if isinstance(i, Won)]
     assert won.losers == () and won.saved == pytest.approx(2.0)  # the restart it spared
-    assert s.done and s.state["a"] == "memory"
+    assert s.done and s.tasks["a"].state == "memory"
 
 
 def test_duplicate_dying_last_restarts_the_first_copy():
     s = spec_state({"a": set()}, ["a"], capacity=2)
     (first,) = submits(s.start())
-    s.handle(TaskStarted(first.group, "n0", 0.0))
+    s.handle(TaskStarted(first.copy, "n0", 0.0))
     (dup,) = submits(s.handle(Tick(5.0, {"n1": 1})))
-    assert s.handle(TaskErred(first.group, "a", ConnectionError(), node_lost=True)) == []
-    out = s.handle(TaskErred(dup.group, "a", ConnectionError(), node_lost=True))
-    assert out == [first]  # the group runs again under its first id, anywhere
+    assert s.handle(TaskErred(first.copy, "a", ConnectionError(), node_died=True)) == []
+    out = s.handle(TaskErred(dup.copy, "a", ConnectionError(), node_died=True))
+    # the group runs again, as a new copy of it, anywhere
+    assert len(out) == 1 and out[0].copy not in {first.copy, dup.copy}
+    assert out == [dataclasses.replace(first, copy=out[0].copy)]
     s.validate_state()
 
 
 def test_quantile_policy_uses_seeded_runtimes():
-    sp = Speculation(enabled=True, quantile=0.9, min_samples=5, long_task=None, min_runtime=1.0)
+    sp = Speculation(
+        enabled=True, quantile=0.9, min_samples=5, long_task=None, min_runtime=1.0, slow_node=None
+    )
     seed = {"a": [2.0] * 10}
     s = make({"a-1": set()}, ["a-1"], capacity=2, speculation=sp, seed_runtimes=seed)
     (first,) = submits(s.start())
-    s.handle(TaskStarted(first.group, "n0", 0.0))
+    s.handle(TaskStarted(first.copy, "n0", 0.0))
     assert s.handle(Tick(1.9, {"n1": 1})) == []  # within the 90 % quantile (2 s)
     (dup,) = submits(s.handle(Tick(2.1, {"n1": 1})))
     assert dup.node == "n1"
     # without a seed the category has no samples: no quantile, no duplicate
     s = make({"a-1": set()}, ["a-1"], capacity=2, speculation=sp)
     (first,) = submits(s.start())
-    s.handle(TaskStarted(first.group, "n0", 0.0))
+    s.handle(TaskStarted(first.copy, "n0", 0.0))
     assert s.handle(Tick(50.0, {"n1": 1})) == []
 
 
@@ -1368,7 +1444,7 @@ def test_known_long_category_is_duplicated_as_soon_as_a_cpu_frees():
     """A category whose mean is past ``long-task`` needs no ``min-runtime``; the CPU a
     finished copy frees is taken at once, without waiting for a Tick (Ray's view of
     the free CPUs lags); the CPU a first copy starts on is not free any more."""
-    sp = Speculation(enabled=True, quantile=None, long_task=3.0, min_runtime=10.0)
+    sp = Speculation(enabled=True, quantile=None, long_task=3.0, min_runtime=10.0, slow_node=None)
     deps = {"long-0": set(), "short-0": set(), "short-1": set()}
     deps["total"] = set(deps)
     seed = {"long": [9.0, 9.5]}
@@ -1376,37 +1452,37 @@ def test_known_long_category_is_duplicated_as_soon_as_a_cpu_frees():
     subs = {sub.root: sub for sub in submits(s.start())}
     assert set(subs) == {"long-0", "short-0", "short-1"}
     assert s.handle(Tick(100.0, {"n0": 1, "n1": 1, "n2": 1})) == []  # none started yet
-    assert s.handle(TaskStarted(subs["short-0"].group, "n0", 100.0)) == []
-    assert s.handle(TaskStarted(subs["short-1"].group, "n1", 100.0)) == []
+    assert s.handle(TaskStarted(subs["short-0"].copy, "n0", 100.0)) == []
+    assert s.handle(TaskStarted(subs["short-1"].copy, "n1", 100.0)) == []
     # the long one starts on n2: n0 and n1 took theirs (Ray's view was older)
-    assert s.handle(TaskStarted(subs["long-0"].group, "n2", 100.1)) == []
-    assert s.free == {"n0": 0, "n1": 0, "n2": 0}
-    out = s.handle(TaskFinished(subs["short-0"].group, {"short-0": 0.3}, 8, "n0", 100.0))
+    assert s.handle(TaskStarted(subs["long-0"].copy, "n2", 100.1)) == []
+    assert free_cpus(s) == {"n0": 0, "n1": 0, "n2": 0}
+    out = s.handle(TaskFinished(subs["short-0"].copy, {"short-0": 0.3}, 8, "n0", 100.0))
     (dup,) = submits(out)  # 0.2 s into the long task: min-runtime does not apply
-    assert (dup.duplicate_of, dup.node) == (subs["long-0"].group, "n0")
-    assert s.free["n0"] == 0
+    assert (dup.duplicate, dup.group, dup.node) == (True, subs["long-0"].group, "n0")
+    assert free_cpus(s)["n0"] == 0
     s.validate_state()
-    assert s.handle(TaskFinished(subs["short-1"].group, {"short-1": 0.3}, 8, "n1", 100.1)) == []
+    assert s.handle(TaskFinished(subs["short-1"].copy, {"short-1": 0.3}, 8, "n1", 100.1)) == []
     s.validate_state()
 
 
 def test_no_duplicate_between_ticks_while_a_copy_has_not_said_where_it_runs():
     """A first copy sent but not started may be bound for the CPU just freed: only a
     Tick (Ray's own view of the free CPUs) may then place a duplicate."""
-    sp = Speculation(enabled=True, quantile=None, long_task=3.0, min_runtime=0.5)
+    sp = Speculation(enabled=True, quantile=None, long_task=3.0, min_runtime=0.5, slow_node=None)
     deps = {"z-0": set(), "s-0": set(), "s-1": set(), "s-2": set()}
     s = make(deps, list(deps), capacity=3, speculation=sp, seed_runtimes={"z": [9.0]})
     subs = {sub.root: sub for sub in submits(s.start())}
     assert set(subs) == {"z-0", "s-2", "s-1"}
-    s.handle(TaskStarted(subs["z-0"].group, "n2", 0.0))
-    s.handle(TaskStarted(subs["s-2"].group, "n0", 0.0))
-    s.handle(TaskStarted(subs["s-1"].group, "n1", 0.0))
-    out = s.handle(TaskFinished(subs["s-2"].group, {"s-2": 0.3}, 8, "n0", 0.0))
+    s.handle(TaskStarted(subs["z-0"].copy, "n2", 0.0))
+    s.handle(TaskStarted(subs["s-2"].copy, "n0", 0.0))
+    s.handle(TaskStarted(subs["s-1"].copy, "n1", 0.0))
+    out = s.handle(TaskFinished(subs["s-2"].copy, {"s-2": 0.3}, 8, "n0", 0.0))
     (nxt,) = submits(out)  # the last short one, not yet started: no duplicate
-    assert nxt.root == "s-0" and nxt.duplicate_of is None
-    assert s.handle(TaskFinished(subs["s-1"].group, {"s-1": 0.3}, 8, "n1", 0.0)) == []
+    assert nxt.root == "s-0" and not nxt.duplicate
+    assert s.handle(TaskFinished(subs["s-1"].copy, {"s-1": 0.3}, 8, "n1", 0.0)) == []
     (dup,) = submits(s.handle(Tick(0.5, {"n1": 1})))  # Ray says n1 is free
-    assert (dup.duplicate_of, dup.node) == (subs["z-0"].group, "n1")
+    assert (dup.duplicate, dup.group, dup.node) == (True, subs["z-0"].group, "n1")
     s.validate_state()
 
 
@@ -1420,20 +1496,21 @@ def test_task_on_a_slow_node_is_duplicated_at_once_elsewhere():
     s = make(deps, ["total"], capacity=3, speculation=sp, seed_runtimes={"s": [0.3] * 5})
     a, b, c = submits(s.start())
     for sub, node in ((a, "nS"), (b, "n0"), (c, "n1")):
-        assert s.handle(TaskStarted(sub.group, node, 0.0)) == []
-    (d,) = submits(s.handle(TaskFinished(a.group, {a.root: 1.5}, 8, "nS", 0.0)))
-    assert d.duplicate_of is None
-    assert s.handle(TaskStarted(d.group, "nS", 1.5)) == []
-    assert not s._slow("nS")  # one task is not a pace
-    assert s.handle(TaskFinished(b.group, {b.root: 0.3}, 8, "n0", 0.0)) == []
-    assert s.handle(TaskFinished(c.group, {c.root: 0.3}, 8, "n1", 0.0)) == []
-    (total,) = submits(s.handle(TaskFinished(d.group, {d.root: 1.5}, 8, "nS", 1.5)))
-    assert s._slow("nS") and not s._slow("n0") and not s._slow("n1")
-    (dup,) = submits(s.handle(TaskStarted(total.group, "nS", 3.0)))
-    assert dup.duplicate_of == total.group and dup.node in {"n0", "n1"}
+        assert s.handle(TaskStarted(sub.copy, node, 0.0)) == []
+    (d,) = submits(s.handle(TaskFinished(a.copy, {a.root: 1.5}, 8, "nS", 0.0)))
+    assert not d.duplicate
+    assert s.handle(TaskStarted(d.copy, "nS", 1.5)) == []
+    assert not s.speculator.slow("nS")  # one task is not a pace
+    assert s.handle(TaskFinished(b.copy, {b.root: 0.3}, 8, "n0", 0.0)) == []
+    assert s.handle(TaskFinished(c.copy, {c.root: 0.3}, 8, "n1", 0.0)) == []
+    (total,) = submits(s.handle(TaskFinished(d.copy, {d.root: 1.5}, 8, "nS", 1.5)))
+    sp_ = s.speculator
+    assert sp_.slow("nS") and not sp_.slow("n0") and not sp_.slow("n1")
+    (dup,) = submits(s.handle(TaskStarted(total.copy, "nS", 3.0)))
+    assert dup.duplicate and dup.group == total.group and dup.node in {"n0", "n1"}
     s.validate_state()
-    out = s.handle(TaskFinished(dup.group, {"total": 0.1}, 8, dup.node, 3.01))
-    assert Cancel(total.group) in out and s.done
+    out = s.handle(TaskFinished(dup.copy, {"total": 0.1}, 8, dup.node, 3.01))
+    assert Cancel(total.copy) in out and s.done
 
 
 def _submission_order(straggle: bool) -> tuple[list[str], State]:
@@ -1450,7 +1527,7 @@ def _submission_order(straggle: bool) -> tuple[list[str], State]:
     nodes = ("nS", "n0", "n1")
     running = dict(zip(nodes, submits(s.start()), strict=True))
     for node, sub in running.items():
-        s.handle(TaskStarted(sub.group, node, 0.0))
+        s.handle(TaskStarted(sub.copy, node, 0.0))
     order = [sub.root for sub in running.values()]
     turns = itertools.cycle(nodes[1:] if straggle else nodes)
     now = 0.0
@@ -1458,8 +1535,8 @@ def _submission_order(straggle: bool) -> tuple[list[str], State]:
         now += 0.3 / (2 if straggle else 3)  # each node's task takes 0.3 s
         node = next(turns)
         done = running[node]
-        (nxt,) = submits(s.handle(TaskFinished(done.group, {done.root: 0.28}, 8, node, now - 0.3)))
-        s.handle(TaskStarted(nxt.group, node, now))
+        (nxt,) = submits(s.handle(TaskFinished(done.copy, {done.root: 0.28}, 8, node, now - 0.3)))
+        s.handle(TaskStarted(nxt.copy, node, now))
         running[node] = nxt
         order.append(nxt.root)
         s.validate_state()
@@ -1472,24 +1549,25 @@ def test_known_long_task_goes_next_while_a_node_straggles():
     seemed and the known-long task goes next. Without a straggler it keeps its place
     (started early, its duplicate would wait for every short one)."""
     plain, s = _submission_order(straggle=False)
-    assert len(plain) == 21 and plain[-1] == "long-0" and not s._short_handed()
+    assert len(plain) == 21 and plain[-1] == "long-0" and not s.speculator.short_handed()
     boosted, s = _submission_order(straggle=True)
     # two finishes every 0.3 s: the 6th after the first three, at 0.9 s, is the first
     # past 3 x 0.28 s
     assert boosted[:8] == plain[:8] and boosted[8] == "long-0", boosted
-    assert s._short_handed()
+    assert s.speculator.short_handed()
 
 
 def test_speculation_off_makes_no_duplicates():
     s = make({"a": set()}, ["a"], capacity=2)
     (first,) = submits(s.start())
     assert first.notify  # where it runs still matters when a node dies
-    s.handle(TaskStarted(first.group, "n0", 0.0))
+    s.handle(TaskStarted(first.copy, "n0", 0.0))
     assert s.handle(Tick(1e6, {"n1": 4})) == []
 
 
 def make(dependencies: dict, outputs, **kwargs) -> State:
     kwargs.setdefault("capacity", 4)
+    kwargs.setdefault("fusion", NO_FUSION)
     return State(dependencies, dask_priorities(dependencies), outputs, **kwargs)
 
 
@@ -1502,9 +1580,47 @@ def releases(out: list) -> set:
 
 
 def finish(state: State, sub: Submit, seconds: float = CHEAP) -> list:
-    out = state.handle(TaskFinished(sub.group, {k: seconds for k in sub.keys}, 8))
+    out = state.handle(TaskFinished(sub.copy, {k: seconds for k in sub.keys}, 8))
     state.validate_state()
     return out
+
+
+def recovering(s: State) -> set:
+    """The keys recomputed in a recovery wave and not finished since."""
+    return {k for k, ts in s.tasks.items() if ts.recovering}
+
+
+def held(s: State, key) -> bool:
+    """Is ``key``'s value in memory on a known node?"""
+    ts = s.tasks[key]
+    return ts.state == "memory" and ts.node is not None
+
+
+def free_cpus(s: State) -> dict:
+    """Speculation's free CPUs of each node it heard of."""
+    return {n: ns.free for n, ns in s.nodes.items()}
+
+
+def node_stores(s: State) -> dict:
+    """Each sampled node's store, ``(used, capacity)``, as counted since."""
+    return {n: ns.store for n, ns in s.nodes.items() if ns.store is not None}
+
+
+def full_nodes(s: State) -> set:
+    """The nodes whose store is above the high-water mark."""
+    return {n for n, ns in s.nodes.items() if ns.full}
+
+
+def again(s: State, out: list, sub: Submit, seen: set, attempt: int) -> Submit:
+    """``out`` is ``sub``'s group submitted again, at ``attempt``, as a copy not ``seen``
+    before (then added to ``seen``): the same Submit but for its copy id."""
+    assert len(out) == 1 and isinstance(out[0], Submit), out
+    new = out[0]
+    assert new.copy not in seen, (new, seen)
+    assert out == [dataclasses.replace(sub, copy=new.copy, attempt=attempt)], (sub, out)
+    seen.add(new.copy)
+    s.validate_state()
+    return new
 
 
 DIAMOND = {"a": set(), "b": {"a"}, "c": {"a"}, "d": {"b", "c"}}
@@ -1518,7 +1634,7 @@ def test_diamond():
     out = finish(s, a)
     first, second = submits(out)
     assert {first.root, second.root} == {"b", "c"} and not releases(out)
-    assert s.priorities[first.root] < s.priorities[second.root]
+    assert s.tasks[first.root].priority < s.tasks[second.root].priority
     out = finish(s, first)
     assert out == []  # "a" is still read by the other one
     out = finish(s, second)
@@ -1534,7 +1650,7 @@ def chain(n: int) -> dict:
 
 def test_chain_fuses_once_category_is_known():
     """The first task runs alone (unknown cost); once it is cheap, the rest is one task."""
-    s = make(chain(10), {"k9"}, fusion=Fusion(), category=lambda k: "c")
+    s = make(chain(10), {"k9"}, fusion=fusion_config(), category=lambda k: "c")
     (first,) = submits(s.start())
     assert first.keys == ("k0",)
     (rest,) = submits(finish(s, first))
@@ -1546,7 +1662,7 @@ def test_chain_fuses_once_category_is_known():
 
 def test_chain_is_not_fused_when_slow_or_disabled():
     """Slow categories and ``enabled=False`` keep one Ray task per key."""
-    for fusion, seconds in [(Fusion(), 0.1), (Fusion(enabled=False), CHEAP)]:
+    for fusion, seconds in [(fusion_config(), 0.1), (fusion_config(enabled=False), CHEAP)]:
         s = make(chain(4), {"k3"}, fusion=fusion, category=lambda k: "c")
         sub = submits(s.start())[0]
         count = 1
@@ -1561,7 +1677,7 @@ def test_chain_is_not_fused_when_slow_or_disabled():
 
 def test_max_group_size_caps_a_chain():
     """A long cheap chain splits into groups of at most ``max_group_size``."""
-    s = make(chain(10), {"k9"}, fusion=Fusion(max_group_size=3), category=lambda k: "c")
+    s = make(chain(10), {"k9"}, fusion=fusion_config(max_group_size=3), category=lambda k: "c")
     (sub,) = submits(s.start())
     groups = [sub.keys]
     while True:
@@ -1575,7 +1691,9 @@ def test_max_group_size_caps_a_chain():
 
 def test_max_group_duration_caps_a_chain():
     """Groups stop growing at the time budget, counted from the learned means."""
-    s = make(chain(7), {"k6"}, fusion=Fusion(max_group_duration=0.0035), category=lambda k: "c")
+    s = make(
+        chain(7), {"k6"}, fusion=fusion_config(max_group_duration=0.0035), category=lambda k: "c"
+    )
     (sub,) = submits(s.start())
     sizes = []
     while True:
@@ -1605,7 +1723,7 @@ def test_reduction_tree_fuses_into_few_groups():
         resources={},
         retries={},
         capacity=1,
-        fusion=Fusion(),
+        fusion=fusion_config(),
         categories=dict.fromkeys(deps, "c"),
         durations={"c": CHEAP},
     )
@@ -1628,7 +1746,7 @@ def test_resources_cost_slots_and_priority_is_strict():
     """A CPU=2 task takes two slots; cheaper, lower-priority work does not jump ahead."""
     deps = {"a": set(), "b": set(), "c": set()}
     prio = {"b": 0, "a": 1, "c": 2}
-    s = State(deps, prio, set(deps), capacity=2, resources={"a": {"CPU": 2}})
+    s = State(deps, prio, set(deps), capacity=2, resources={"a": {"CPU": 2}}, fusion=NO_FUSION)
     (b,) = submits(s.start())  # "a" does not fit beside "b", and "c" must wait for "a"
     assert b.keys == ("b",)
     (a,) = submits(finish(s, b))
@@ -1642,11 +1760,13 @@ def test_resources_cost_slots_and_priority_is_strict():
 def test_oversized_task_runs_alone():
     """A task larger than the whole capacity still runs, once nothing else does."""
     deps = {"a": set(), "b": set()}
-    s = State(deps, {"a": 0, "b": 1}, set(deps), capacity=1, resources={"b": {"CPU": 4}})
+    s = State(
+        deps, {"a": 0, "b": 1}, set(deps), capacity=1, resources={"b": {"CPU": 4}}, fusion=NO_FUSION
+    )
     (a,) = submits(s.start())
     (b,) = submits(finish(s, a))
     assert b.root == "b"
-    assert submits(s.handle(CapacityChanged(8))) == []
+    assert submits(s.handle(CpusChanged(8))) == []
     finish(s, b)
     assert s.done
 
@@ -1656,7 +1776,7 @@ def test_capacity_increase_submits_more():
     deps = {f"x{i}": set() for i in range(5)}
     s = make(deps, set(deps), capacity=1)
     assert len(submits(s.start())) == 1
-    assert len(submits(s.handle(CapacityChanged(3)))) == 2
+    assert len(submits(s.handle(CpusChanged(3)))) == 2
     s.validate_state()
 
 
@@ -1667,24 +1787,24 @@ def test_fatal_error_cancels_releases_and_fails():
     (a, e) = sorted(submits(s.start()), key=lambda x: x.root)
     (b, c) = sorted(submits(finish(s, a)), key=lambda x: x.root)
     err = ValueError("bad")
-    out = s.handle(TaskErred(b.group, "b", err))
+    out = s.handle(TaskErred(b.copy, "b", err))
     s.validate_state()
-    assert set(out[:-1]) == {Cancel(e.group), Cancel(c.group), Release("a")}
+    assert set(out[:-1]) == {Cancel(e.copy), Cancel(c.copy), Release("a")}
     assert out[-1] == Fail("b", err)
     assert s.done
-    assert s.handle(TaskFinished(c.group, {"c": CHEAP})) == []
+    assert s.handle(TaskFinished(c.copy, {"c": CHEAP})) == []
 
 
 def test_retryable_error_resubmits_then_fails():
     """A lost worker retries the same group ``default_retries`` times, then fails."""
     s = make({"a": set()}, {"a"}, default_retries=2)
     (a,) = submits(s.start())
-    for attempt in (1, 2):
-        out = s.handle(TaskErred(a.group, "a", OSError(), retryable=True))
-        assert out == [dataclasses.replace(a, attempt=attempt)]
-        s.validate_state()
+    cur, seen = a, {a.copy}
+    for attempt in (1, 2):  # each retry is a new copy of the same group
+        out = s.handle(TaskErred(cur.copy, "a", OSError(), worker_died=True))
+        cur = again(s, out, a, seen, attempt)
     err = OSError("gone")
-    (fail,) = s.handle(TaskErred(a.group, "a", err, retryable=True))
+    (fail,) = s.handle(TaskErred(cur.copy, "a", err, worker_died=True))
     assert_fails(fail, "a", err, retryable=True)
     assert s.done
 
@@ -1693,23 +1813,24 @@ def test_retries_annotation_retries_user_errors():
     """``retries={key: n}`` retries even a user error n times; a success then counts."""
     s = make({"a": set(), "b": {"a"}}, {"b"}, retries={"a": 1})
     (a,) = submits(s.start())
-    out = s.handle(TaskErred(a.group, "a", ValueError()))
-    assert out == [dataclasses.replace(a, attempt=1)]
-    (b,) = submits(finish(s, a))
+    out = s.handle(TaskErred(a.copy, "a", ValueError()))
+    a1 = again(s, out, a, {a.copy}, 1)
+    (b,) = submits(finish(s, a1))
     assert b.root == "b"
     err = ValueError("b")
-    assert s.handle(TaskErred(b.group, "b", err)) == [Release("a"), Fail("b", err)]
+    assert s.handle(TaskErred(b.copy, "b", err)) == [Release("a"), Fail("b", err)]
 
 
 def test_retries_annotation_raises_the_retryable_limit():
     """A lost worker gets the larger of ``retries`` and ``default_retries``."""
     s = make({"a": set()}, {"a"}, retries={"a": 2}, default_retries=1)
     (a,) = submits(s.start())
+    cur, seen = a, {a.copy}
     for attempt in (1, 2):
-        out = s.handle(TaskErred(a.group, "a", OSError(), retryable=True))
-        assert out == [dataclasses.replace(a, attempt=attempt)]
+        out = s.handle(TaskErred(cur.copy, "a", OSError(), worker_died=True))
+        cur = again(s, out, a, seen, attempt)
     err = OSError("gone")
-    (fail,) = s.handle(TaskErred(a.group, "a", err, retryable=True))
+    (fail,) = s.handle(TaskErred(cur.copy, "a", err, worker_died=True))
     assert_fails(fail, "a", err, retryable=True)
 
 
@@ -1720,9 +1841,9 @@ def test_abort_cancels_and_releases_everything():
     (b,) = submits(finish(s, a))
     out = s.handle(Aborted())
     s.validate_state()
-    assert set(out) == {Cancel(b.group), Release("a")}
+    assert set(out) == {Cancel(b.copy), Release("a")}
     assert s.done
-    assert s.handle(TaskFinished(b.group)) == []
+    assert s.handle(TaskFinished(b.copy)) == []
 
 
 def test_available_keys_are_read_not_run():
@@ -1738,7 +1859,7 @@ def test_available_keys_are_read_not_run():
     assert releases(finish(s, z)) == {"x", "y"} and s.done
 
 
-@pytest.mark.parametrize("fusion", [Fusion(), Fusion(enabled=False)])
+@pytest.mark.parametrize("fusion", [fusion_config(), fusion_config(enabled=False)])
 def test_everything_available(fusion):
     """Nothing to run: done straight away, nothing submitted."""
     s = make({"a": set()}, {"a"}, available={"a"}, fusion=fusion)
@@ -1753,7 +1874,7 @@ def recovers(out: list) -> list[Recover]:
 
 
 def cancels(out: list) -> set:
-    return {i.group for i in out if isinstance(i, Cancel)}
+    return {i.copy for i in out if isinstance(i, Cancel)}
 
 
 def test_lost_value_recomputes_its_released_inputs_in_one_wave():
@@ -1765,23 +1886,23 @@ def test_lost_value_recomputes_its_released_inputs_in_one_wave():
     out = finish(s, b)
     (c,) = submits(out)
     assert releases(out) == {"a"}
-    out = s.handle(TaskFinished(c.group, {"c": CHEAP}, 8, node="n1"))
+    out = s.handle(TaskFinished(c.copy, {"c": CHEAP}, 8, node="n1"))
     (d,) = submits(out)
-    assert releases(out) == {"b"} and s.where["c"] == "n1"
+    assert releases(out) == {"b"} and s.tasks["c"].node == "n1"
 
     out = s.handle(ResultsLost(("c",), "n1 died"))
     s.validate_state()
     (rec,) = recovers(out)
     assert rec.wave == 1 and rec.lost == ("c",) and rec.reason == "n1 died"
     assert sorted(rec.recompute) == ["a", "b", "c"]
-    assert cancels(out) == {d.group}  # d was reading c
-    assert "c" not in s.where
+    assert cancels(out) == {d.copy}  # d was reading c
+    assert not held(s, "c") and s.tasks["c"].node is None
     (a2,) = submits(out)
-    assert a2.keys == ("a",) and s.recovering == {"a", "b", "c"}
+    assert a2.keys == ("a",) and recovering(s) == {"a", "b", "c"}
     (b2,) = submits(finish(s, a2))
     (c2,) = submits(finish(s, b2))
     (d2,) = submits(finish(s, c2))
-    assert d2.keys == ("d",) and d2.group != d.group and not s.recovering
+    assert d2.keys == ("d",) and d2.group != d.group and d2.copy != d.copy and not recovering(s)
     assert finish(s, d) == []  # the cancelled run's result changes nothing
     assert releases(finish(s, d2)) == {"c"} and s.done
     assert s.wave == 1
@@ -1805,34 +1926,34 @@ def test_fan_in_losing_three_inputs_is_one_wave():
     assert sorted(sub.root for sub in again) == ["x0", "x1", "x2"]
     for sub in again + [subs["x4"], subs["x5"]]:
         assert not submits(finish(s, sub)) or sub is subs["x5"]
-    assert s.state["y"] == "processing" and s.done is False
+    assert s.tasks["y"].state == "processing" and s.done is False
 
 
 def test_loss_cancels_readers_in_flight_and_recovery_goes_first():
     """The reader of a lost value is cancelled; the lost value runs before other work."""
     deps = {"a": set(), "b": {"a"}, "c": {"a"}, "d": {"b", "c"}, "e": set()}
     prio = {"a": 0, "b": 1, "c": 2, "d": 3, "e": 4}
-    s = State(deps, prio, {"d", "e"}, capacity=1)
+    s = State(deps, prio, {"d", "e"}, capacity=1, fusion=NO_FUSION)
     (a,) = submits(s.start())
     (b,) = submits(finish(s, a))  # c and e wait for the slot
     out = s.handle(ResultsLost(("a",)))
     s.validate_state()
-    assert cancels(out) == {b.group}
+    assert cancels(out) == {b.copy}
     assert recovers(out) == [Recover(1, ("a",), ("a",), "")]
     (a2,) = submits(out)
     assert a2.keys == ("a",)
-    assert s.handle(TaskFinished(b.group, {"b": CHEAP})) == []  # late: ignored
-    assert s.handle(TaskErred(b.group, "b", OSError(), node_lost=True)) == []
+    assert s.handle(TaskFinished(b.copy, {"b": CHEAP})) == []  # late: ignored
+    assert s.handle(TaskErred(b.copy, "b", OSError(), node_died=True)) == []
     s.validate_state()
     (b2,) = submits(finish(s, a2))
-    assert b2.keys == ("b",) and b2.group != b.group
+    assert b2.keys == ("b",) and b2.group != b.group and b2.copy != b.copy
 
 
 def test_recovery_tier_goes_ahead_of_better_priorities():
     """A recomputed key runs before ready normal work, whatever their priorities."""
     deps = {"e": set(), "a": set(), "b": {"a"}, "f": set()}
     prio = {"e": 0, "a": 1, "f": 2, "b": 3}
-    s = State(deps, prio, {"e", "b", "f"}, capacity=1)
+    s = State(deps, prio, {"e", "b", "f"}, capacity=1, fusion=NO_FUSION)
     (e,) = submits(s.start())
     (a,) = submits(finish(s, e))
     (f,) = submits(finish(s, a))  # b (priority 3) waits behind f (priority 2)
@@ -1860,10 +1981,10 @@ def test_losing_a_given_value_without_lineage_fails():
     (y,) = submits(s.start())
     out = s.handle(ResultsLost(("x",), "n2 died"))
     s.validate_state()
-    assert out[:-1] == [Cancel(y.group), Release("x")]
+    assert out[:-1] == [Cancel(y.copy), Release("x")]
     fail = out[-1]
     assert isinstance(fail, Fail) and fail.key == "x" and "n2 died" in str(fail.error)
-    assert s.done and s.handle(TaskFinished(y.group)) == []
+    assert s.done and s.handle(TaskFinished(y.copy)) == []
 
 
 def test_losing_a_given_value_with_lineage_recomputes_it_unfused():
@@ -1876,10 +1997,16 @@ def test_losing_a_given_value_with_lineage_recomputes_it_unfused():
     deps = {"s": set(), "p": set(), "g": {"p"}, "h": {"g"}}
     prio = {"s": 0, "h": 1, "g": 2, "p": 3}
     s = State(
-        deps, prio, {"s", "h"}, capacity=1, available={"g"}, fusion=Fusion(), category=lambda k: "c"
+        deps,
+        prio,
+        {"s", "h"},
+        capacity=1,
+        available={"g"},
+        fusion=fusion_config(),
+        category=lambda k: "c",
     )
     (first,) = submits(s.start())
-    assert first.keys == ("s",) and s.state["p"] == "released"
+    assert first.keys == ("s",) and s.tasks["p"].state == "released"
     out = s.handle(ResultsLost(("g",)))
     (rec,) = recovers(out)
     assert sorted(rec.recompute) == ["g", "p"]
@@ -1891,15 +2018,17 @@ def test_losing_a_given_value_with_lineage_recomputes_it_unfused():
 
 
 def test_node_lost_does_not_use_up_retries():
-    """A dead node retries the same group as often as it happens, even with no retries."""
+    """A dead node restarts the same group (a new copy each time) as often as it happens,
+    even with no retries."""
     s = make({"a": set(), "b": {"a"}}, {"b"}, default_retries=0)
     (a,) = submits(s.start())
+    cur, seen = a, {a.copy}
     for _ in range(5):
-        assert s.handle(TaskErred(a.group, "a", OSError(), node_lost=True)) == [a]
-        s.validate_state()
-    (b,) = submits(finish(s, a))
+        out = s.handle(TaskErred(cur.copy, "a", OSError(), node_died=True))
+        cur = again(s, out, a, seen, attempt=0)
+    (b,) = submits(finish(s, cur))
     err = OSError("worker")
-    (fail,) = s.handle(TaskErred(b.group, "b", err, retryable=True))[-1:]
+    (fail,) = s.handle(TaskErred(b.copy, "b", err, worker_died=True))[-1:]
     assert_fails(fail, "b", err, retryable=True)  # a dead worker still counts
 
 
@@ -1928,7 +2057,7 @@ def test_fused_group_that_does_not_fit_takes_what_is_left():
         prio,
         {"s", "t", "k5"},
         capacity=1,
-        fusion=Fusion(),
+        fusion=fusion_config(),
         category=lambda k: "c",
         cheap_cost=0.5,
     )
@@ -2005,7 +2134,7 @@ def shuffles(draw) -> Scenario:
         resources={},
         retries=retries,
         capacity=draw(st.integers(1, 4)),
-        fusion=Fusion(enabled=draw(st.booleans())),
+        fusion=fusion_config(enabled=draw(st.booleans())),
         categories={k: category(k) for k in keys},
         durations=durations,
         default_retries=draw(st.integers(0, 2)),
@@ -2058,13 +2187,13 @@ def test_bundle_loses_one_piece_and_reruns_its_map_keeping_only_it():
     (sub,) = submits(finish(st_, sub, SLOW))
     assert sub.keys == ("map", "p0", "p1") and sub.kept == ("p0", "p1")
     out = finish(st_, sub, SLOW)
-    assert releases(out) == {"src"} and st_.state["map"] == "released"
+    assert releases(out) == {"src"} and st_.tasks["map"].state == "released"
     r0, r1 = sorted(submits(out), key=lambda s: s.root)
     assert (r0.inputs, r1.inputs) == (("p0",), ("p1",))  # each reducer reads its piece only
     assert releases(finish(st_, r0, SLOW)) == {"p0"}
     out = st_.handle(ResultsLost(("p1",)))
     (rec,) = recovers(out)
-    assert set(rec.recompute) == {"p1", "map", "src"} and cancels(out) == {r1.group}
+    assert set(rec.recompute) == {"p1", "map", "src"} and cancels(out) == {r1.copy}
     (sub,) = submits(out)
     (sub,) = submits(finish(st_, sub, SLOW))
     assert sub.keys == ("map", "p1") and sub.kept == ("p1",)
@@ -2074,7 +2203,7 @@ def test_bundle_loses_one_piece_and_reruns_its_map_keeping_only_it():
 def test_a_map_requested_as_output_is_no_bundle():
     deps = {"map": set(), "p0": {"map"}, "p1": {"map"}, "r": {"p0", "p1"}}
     st_ = make(deps, ["r", "map"], bundles={"map": ("p0", "p1")})
-    assert st_.bundles == {}
+    assert st_.bundler.pieces == {}
     (sub,) = submits(st_.start())
     assert sub.keys == ("map",) and sub.kept == ("map",)
 
@@ -2092,7 +2221,7 @@ SKIM |= {"sum": {f"hist{i}" for i in range(4)}, "final": {f"write{i}" for i in r
 def skim_state(**kwargs) -> State:
     prio = {k: i for i, k in enumerate(sorted(SKIM, key=lambda k: (k[:4] == "writ", k)))}
     cat = lambda k: k.rstrip("0123456789")  # noqa: E731
-    return State(SKIM, prio, {"sum", "final"}, category=cat, fusion=Fusion(), **kwargs)
+    return State(SKIM, prio, {"sum", "final"}, category=cat, fusion=fusion_config(), **kwargs)
 
 
 def test_consumers_run_in_their_producers_task_and_its_value_never_leaves():
@@ -2102,34 +2231,35 @@ def test_consumers_run_in_their_producers_task_and_its_value_never_leaves():
     # their categories; the second, started beside it, does not
     assert first.keys == ("read0", "hist0", "write0") and first.kept == ("hist0", "write0")
     assert second.keys == ("read1",)
-    out = s.handle(TaskFinished(first.group, {"read0": 0.1, "hist0": 0.001, "write0": 0.004},
+    out = s.handle(TaskFinished(first.copy, {"read0": 0.1, "hist0": 0.001, "write0": 0.004},
                                 40, "n0", sizes=(8, 32)))  # fmt: skip
     s.validate_state()
-    assert s.state["read0"] == "released" and "read0" not in releases(out)  # never held
-    assert (s.nbytes["hist0"], s.nbytes["write0"]) == (8, 32)
+    assert s.tasks["read0"].state == "released" and "read0" not in releases(out)  # never held
+    assert (s.tasks["hist0"].nbytes, s.tasks["write0"].nbytes) == (8, 32)
     (third,) = submits(out)  # measured now: cheap beside the read
     assert third.keys == ("read2", "hist2", "write2") and third.kept == ("hist2", "write2")
     # the read that ran alone keeps its value for its consumers, which run apart
     out = finish(s, second, 0.1)
-    assert s.state["read1"] == "memory"
+    assert s.tasks["read1"].state == "memory"
     assert {sub.root for sub in submits(out)} == {"hist1"}
 
 
 def test_slow_consumers_do_not_follow_and_outputs_stay():
     # a consumer taking more than its share of the producer's time runs apart
-    s = make({"a": set(), "b": {"a"}, "c": {"a"}}, {"b", "c"}, fusion=Fusion(),
+    s = make({"a": set(), "b": {"a"}, "c": {"a"}}, {"b", "c"}, fusion=fusion_config(),
              category=lambda k: "a" if k == "a" else "bc")  # fmt: skip
     (a,) = submits(s.start())
     assert a.keys[0] == "a" and set(a.keys[1:]) == {"b", "c"}  # probes
-    s.handle(TaskFinished(a.group, {"a": 0.1, "b": 0.05, "c": 0.05}, 16, sizes=(8, 8)))
-    s2 = make({"a": set(), "b": {"a"}, "c": {"a"}}, {"b", "c"}, fusion=Fusion(),
+    s.handle(TaskFinished(a.copy, {"a": 0.1, "b": 0.05, "c": 0.05}, 16, sizes=(8, 8)))
+    s2 = make({"a": set(), "b": {"a"}, "c": {"a"}}, {"b", "c"}, fusion=fusion_config(),
               category=lambda k: "a" if k == "a" else "bc",
               seed_runtimes=None)  # fmt: skip
-    s2.stats = {"a": [3, 0.3], "bc": [3, 0.3]}  # 100 ms each: past half of 100 ms
+    for name in ("a", "bc"):  # 100 ms each: past half of 100 ms
+        s2.category(name).count, s2.category(name).total = 3, 0.3
     (a,) = submits(s2.start())
     assert a.keys == ("a",)
     # an output is kept whole: its consumers run apart
-    s3 = make({"a": set(), "b": {"a"}}, {"a", "b"}, fusion=Fusion())
+    s3 = make({"a": set(), "b": {"a"}}, {"a", "b"}, fusion=fusion_config())
     (a,) = submits(s3.start())
     assert a.keys == ("a",)
 
@@ -2138,7 +2268,7 @@ def test_a_lost_consumer_value_reruns_its_producer_and_a_running_group_that_drop
     s = skim_state(capacity=1)
     (g0,) = submits(s.start())
     assert g0.keys == ("read0", "hist0", "write0")
-    (g1,) = submits(s.handle(TaskFinished(g0.group, {"read0": 0.1, "hist0": 0.001,
+    (g1,) = submits(s.handle(TaskFinished(g0.copy, {"read0": 0.1, "hist0": 0.001,
                                                      "write0": 0.004}, 16, "n0", sizes=(8, 8))))  # fmt: skip
     assert g1.keys == ("read1", "hist1", "write1")
     # hist0 is lost while nothing summed it yet: read0 runs again, with hist0 alone
@@ -2147,7 +2277,7 @@ def test_a_lost_consumer_value_reruns_its_producer_and_a_running_group_that_drop
     s.validate_state()
     (rec,) = recovers(out)
     assert set(rec.recompute) == {"hist0", "read0"} and not cancels(out)
-    (g2,) = submits(s.handle(TaskFinished(g1.group, {"read1": 0.1, "hist1": 0.001,
+    (g2,) = submits(s.handle(TaskFinished(g1.copy, {"read1": 0.1, "hist1": 0.001,
                                                      "write1": 0.004}, 16, "n0", sizes=(8, 8))))  # fmt: skip
     s.validate_state()
     assert g2.keys == ("read0", "hist0") and g2.kept == ("hist0",)
@@ -2155,23 +2285,24 @@ def test_a_lost_consumer_value_reruns_its_producer_and_a_running_group_that_drop
     # cannot give it, so it is cancelled and read0 runs again for both
     out = s.handle(ResultsLost(("write0",), "node died"))
     s.validate_state()
-    assert cancels(out) == {g2.group}
+    assert cancels(out) == {g2.copy}
     (g3,) = submits(out)
     assert g3.keys == ("read0", "hist0", "write0")
 
 
 def test_a_long_producer_with_its_consumers_is_duplicated():
-    sp = Speculation(enabled=True, quantile=None, long_task=1.0, min_runtime=0.5)
+    sp = Speculation(enabled=True, quantile=None, long_task=1.0, min_runtime=0.5, slow_node=None)
     deps = {"read": set(), "hist": {"read"}, "write": {"read"}}
-    s = make(deps, {"hist", "write"}, capacity=2, speculation=sp, fusion=Fusion())
-    s.stats = {"read": [1, 5.0], "hist": [1, 0.001], "write": [1, 0.004]}
+    s = make(deps, {"hist", "write"}, capacity=2, speculation=sp, fusion=fusion_config())
+    for name, seconds in (("read", 5.0), ("hist", 0.001), ("write", 0.004)):
+        s.category(name).count, s.category(name).total = 1, seconds
     (first,) = submits(s.start())
     assert first.keys[0] == "read" and len(first.keys) == 3 and len(first.kept) == 2
-    s.handle(TaskStarted(first.group, "n0", 0.0))
+    s.handle(TaskStarted(first.copy, "n0", 0.0))
     (dup,) = submits(s.handle(Tick(2.0, {"n1": 1})))
     s.validate_state()
     assert (dup.keys, dup.kept, dup.node) == (first.keys, first.kept, "n1")
-    out = s.handle(TaskFinished(dup.group, dict.fromkeys(dup.keys, 1.0), 16, "n1", sizes=(8, 8)))
+    out = s.handle(TaskFinished(dup.copy, dict.fromkeys(dup.keys, 1.0), 16, "n1", sizes=(8, 8)))
     s.validate_state()
     (won,) = [i for i in out if isinstance(i, Won)]
-    assert won.key == "read" and cancels(out) == {first.group} and s.done
+    assert won.key == "read" and cancels(out) == {first.copy} and s.done

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from raydag import config
-from raydag.core.events import Cancel, TaskFinished, Tick, Won
+from raydag.core.events import Cancel, TaskFinished, TaskStarted, Tick, Won
 from raydag.core.records import READY, Copy, Group, Runtimes
 
 if TYPE_CHECKING:
@@ -294,7 +294,7 @@ class Speculator:
         dups.sort(key=lambda d: -(d[0].started or math.inf))
         for copy, cid, g in dups:
             if s.used and s.used + cost > s.capacity + 1e-9 and len(g.copies) > 1:
-                out.append(Cancel(cid, s.alive(copy.node)))
+                out.append(Cancel(cid, copy.node if s.is_alive(copy.node) else None))
                 s.drop_copy(g, cid)
         return True
 
@@ -311,16 +311,23 @@ class Speculator:
             if cpus > 0:
                 self.s.node(node).free = cpus
 
+    # What changes the candidates and the free CPUs: time passing, a copy starting
+    # (its node is known), a copy finishing (its CPU is free).
+    LOOKS = (Tick, TaskStarted, TaskFinished)
+
     def after(self, event: Event, out: list[Instruction]) -> None:
         """Every event ends here: duplicate long-running copies onto free CPUs.
 
-        On a ``Tick``, the free CPUs are Ray's. Between ticks, they are that view kept
-        up to date by raydag's own events, which Ray's lags by a poll or so: the CPU a
-        copy freed is taken at once. Then only while every copy in flight is known
-        started: a copy sent but not started yet may be bound for that CPU, and goes
-        first.
+        Only after the events that change what could be duplicated and where
+        (``LOOKS``): a copy dying with its node, say, frees a CPU Ray has not shown yet
+        and may well be on that very node. On a ``Tick``, the free CPUs are Ray's.
+        Between ticks, they are that view kept up to date by raydag's own events, which
+        Ray's lags by a poll or so: the CPU a copy freed is taken at once. Then only
+        while every copy in flight is known started: a copy sent but not started yet
+        may be bound for that CPU, and goes first.
         """
-        self._speculate(out, tick=type(event) is Tick)
+        if type(event) in self.LOOKS:
+            self._speculate(out, tick=type(event) is Tick)
         self.steer = None
 
     def _speculate(self, out: list[Instruction], tick: bool) -> None:

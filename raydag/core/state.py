@@ -10,7 +10,8 @@ policy part, not a new loop.
 
 **One door.** ``handle(event)`` sends each event to its own handler (``_HANDLERS``);
 every handler ends the same way (``_settle``): ready work is started (``_fill``), then
-speculation looks at idle CPUs. A key's state changes only through ``transition``,
+speculation looks at idle CPUs. An event about a copy no group owns any more (a late
+report of a cancelled or superseded attempt) changes nothing, and ends there. A key's state changes only through ``transition``,
 along the edges of ``TRANSITIONS``::
 
     waiting -> ready -> processing -> memory -> released
@@ -180,6 +181,7 @@ class State:
         self._ids = 0
         self._seq = 0
         self.out: list[Instruction] = []  # the current event's instructions
+        self.stale = False  # the current event is about a copy no group owns: no change
 
         self.fuser = Fuser(self, fusion or Fusion(enabled=False))
         self.placer = Placer(self, placement or Placement(enabled=False))
@@ -284,8 +286,10 @@ class State:
             raise TypeError(f"Unknown event {event!r}")
         out = self.out = []
         self.speculator.new_event()
+        self.stale = False
         handler(self, event)
-        self._settle(event)
+        if not self.stale:
+            self._settle(event)
         self.out = []
         return out
 
@@ -329,6 +333,7 @@ class State:
     def _on_finished(self, ev: TaskFinished) -> None:
         group = self.copies.get(ev.copy)
         if group is None:  # cancelled or superseded: its result is not ours to keep
+            self.stale = True
             return
         del self.groups[group.id]
         self.speculator.finished(group, ev, self.out)
@@ -406,6 +411,7 @@ class State:
     def _on_erred(self, ev: TaskErred) -> None:
         group = self.copies.get(ev.copy)
         if group is None:
+            self.stale = True
             return
         if len(group.copies) > 1:
             if ev.node_died or ev.worker_died:  # another copy carries on: no restart
@@ -435,12 +441,15 @@ class State:
             )
             error.__cause__ = ev.error if isinstance(ev.error, BaseException) else None
         self.drop_copy(group, ev.copy)
+        for m in group.keys:
+            self.tasks[m].group = None
         del self.groups[group.id]
         self.fail(ev.key, error, self.out)
 
     def _on_started(self, ev: TaskStarted) -> None:
         group = self.copies.get(ev.copy)
         if group is None:
+            self.stale = True
             return
         copy = group.copies[ev.copy]
         copy.node, copy.started = ev.node, ev.started
