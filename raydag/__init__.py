@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from raydag import config as _config  # noqa: F401  (registers raydag.* defaults)
 from raydag import shuffle as _shuffle  # noqa: F401  (registers its bundles)
-from raydag.api import get, persist, ray_get
+from raydag.api import disable, enable, get, persist, ray_get
 from raydag.core.events import WorkerDiedError
 from raydag.core.graph import GraphError
 from raydag.observe.record import last_run, performance_report
@@ -14,6 +14,8 @@ __all__ = [
     "GraphError",
     "WorkerDiedError",
     "connect",
+    "disable",
+    "enable",
     "get",
     "last_run",
     "performance_report",

@@ -1,16 +1,32 @@
-"""What users call: a dask scheduler ``get`` and a ``persist`` that keeps results in Ray."""
+"""What users call: a dask scheduler ``get``, a ``persist`` that keeps results in Ray, and
+``enable``/``disable``, which make raydag dask's scheduler and its shuffle dask's shuffle."""
 
 from __future__ import annotations
 
 import logging
 import pickle
+import threading
 import warnings
+from collections.abc import Sequence
+from types import TracebackType
 from typing import Any
 
 import dask
 from dask.utils import Dispatch
 
 from raydag import runtime
+from raydag.core.graph import UnknownAnnotationWarning
+
+__all__ = [
+    "Enabled",
+    "IgnoredArgumentsWarning",
+    "UnknownAnnotationWarning",
+    "disable",
+    "enable",
+    "get",
+    "persist",
+    "ray_get",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -148,9 +164,6 @@ def _register_pandas() -> None:
         )
 
 
-get = ray_get
-
-
 def _persisted_get(dsk: Any, keys: Any, callbacks: Any = None, **kwargs: Any) -> Any:
     """Like ``ray_get`` but leaves results in Ray's object store, with their lineage."""
     _warn_ignored(kwargs)
@@ -159,17 +172,143 @@ def _persisted_get(dsk: Any, keys: Any, callbacks: Any = None, **kwargs: Any) ->
     return runtime.nested(keys, values)
 
 
-def persist(*args: Any, **kwargs: Any) -> Any:
+def persist(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
     """``dask.persist`` whose results stay in Ray's object store.
 
     The returned collections hold ``Persisted`` ObjectRefs in their graphs; computing
     them with raydag reads those objects where they are, recomputes any that a dead
-    node took with it, and dropping the collections frees them.
-    Returns one collection for one argument, a tuple otherwise, as ``dask.persist``.
+    node (or an earlier Ray session) took with it, and dropping the collections frees
+    them. Returns a tuple, one collection per argument, as ``dask.persist`` does:
+    ``(x2,) = raydag.persist(x)``.
     """
     kwargs.pop("scheduler", None)
-    results = dask.persist(*args, scheduler=_persisted_get, **kwargs)
-    return results[0] if len(args) == 1 else results
+    return dask.persist(*args, scheduler=_persisted_get, **kwargs)
+
+
+def _persist_collections(
+    collections: Sequence[Any], optimize_graph: bool = True, **kwargs: Any
+) -> list[Any]:
+    """dask's hook for a scheduler's own persist: ``dask.persist`` (and ``x.persist()``)
+    with ``scheduler=raydag.ray_get`` hands the collections here, as to a distributed
+    Client's ``persist``. dask releases without the hook (2025.3.x) compute the values
+    back to the driver instead; ``raydag.persist`` keeps them in Ray on every release."""
+    kwargs.pop("traverse", None)
+    return list(
+        dask.persist(
+            *collections,
+            scheduler=_persisted_get,
+            optimize_graph=optimize_graph,
+            traverse=False,
+            **kwargs,
+        )
+    )
+
+
+ray_get.persist = _persist_collections  # type: ignore[attr-defined]
+
+get = ray_get
+
+
+# ---- raydag.enable() -------------------------------------------------------------------
+
+
+class Enabled:
+    """What one ``raydag.enable()`` changed, to undo it: ``disable()``, or the end of
+    ``with raydag.enable():``.
+
+    Each setting gets back the value it had before (or none, if it had none), unless
+    something else has set it since: only what ``enable`` changed is undone.
+    """
+
+    def __init__(self, settings: dict[str, Any], installed: bool) -> None:
+        self.settings = dict(settings)  # what it set
+        # one dask setter per setting: its exit puts back that setting's old value
+        self._setters = {k: dask.config.set({k: v}) for k, v in settings.items()}
+        self._installed = installed  # the shuffle's dask-expr hook: removed with the last
+        self.active = True
+
+    def undo(self) -> None:
+        """Put back what this ``enable()`` changed (again: nothing)."""
+        with _lock:
+            if not self.active:
+                return
+            self.active = False
+            _enabled.remove(self)
+            for key, setter in self._setters.items():
+                if dask.config.get(key, None) != self.settings[key]:
+                    logger.debug("raydag: %s was set again since enable(); left as it is", key)
+                    continue
+                setter.__exit__(None, None, None)
+            if self._installed:
+                if _enabled:  # still enabled: the last of them removes the hook
+                    _enabled[-1]._installed = True
+                else:
+                    from raydag import shuffle
+
+                    shuffle.uninstall()
+
+    def __enter__(self) -> Enabled:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.undo()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "undone"
+        return f"<raydag.Enabled ({state}): {', '.join(self.settings)}>"
+
+
+_lock = threading.RLock()
+_enabled: list[Enabled] = []  # the enables not undone yet, oldest first
+
+
+def enable(*, shuffle: bool = True) -> Enabled:
+    """Make raydag dask's scheduler, and its shuffle dask's shuffle, until ``disable()``.
+
+    It changes two of dask's settings:
+
+    - ``scheduler``, to ``raydag.ray_get``: every ``compute`` runs on Ray, and so does
+      every ``persist``, whose results stay in Ray's object store as with
+      ``raydag.persist`` (on dask releases that let a scheduler take over ``persist``;
+      dask 2025.3.x brings them back to the driver's memory);
+    - with ``shuffle``, ``dataframe.shuffle.method``, to ``"raydag"`` (``raydag.shuffle``),
+      whose dask-expr hook it installs if ``raydag.shuffle.install()`` has not. Call it
+      before building dataframe collections: dask picks some shuffles as it builds them.
+
+    ``raydag.disable()`` undoes it, and so does the end of ``with raydag.enable(): ...``:
+    each setting gets back the value it had before (not dask's default; none if it had
+    none) unless something else has set it since, and the hook goes if this put it in.
+    """
+    from raydag import shuffle as _shuffle
+
+    settings: dict[str, Any] = {"scheduler": ray_get}
+    if shuffle:
+        settings["dataframe.shuffle.method"] = _shuffle.METHOD
+    with _lock:
+        installed = shuffle and not _shuffle.installed()
+        if installed:
+            _shuffle.install()
+        handle = Enabled(settings, installed)
+        _enabled.append(handle)
+    logger.debug("raydag enabled: %s", handle)
+    return handle
+
+
+def disable() -> None:
+    """Undo every ``raydag.enable()`` not undone yet, the latest first.
+
+    dask's ``scheduler`` and ``dataframe.shuffle.method`` get back the values they had
+    before the first of them (none, if they had none), except a setting changed since
+    by something else, which is left as it is. Nothing happens if raydag is not enabled.
+    """
+    with _lock:
+        for handle in reversed(list(_enabled)):
+            handle.undo()
 
 
 def _warn_ignored(kwargs: dict[str, Any]) -> None:

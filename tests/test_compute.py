@@ -366,14 +366,55 @@ def test_single_key_of_a_collection(assert_store_empty):
 # ---- ways to choose the scheduler ---------------------------------------------------
 
 
-def test_dask_persist_with_ray_get(assert_store_empty):
+def _dask_lets_the_scheduler_persist() -> bool:
+    """Does this dask hand ``persist`` to a scheduler's own ``persist`` (dask 2026.x does,
+    2025.3.x does not: there only a distributed Client's)?"""
+
+    def get(dsk, keys, **kwargs):
+        raise AssertionError("computed instead of persisted")
+
+    get.persist = lambda collections, **kwargs: list(collections)
+    x = dask.delayed(inc)(1)
+    try:
+        (y,) = dask.persist(x, scheduler=get)
+    except AssertionError:
+        return False
+    return y is x
+
+
+PERSIST_HOOK = _dask_lets_the_scheduler_persist()
+PERSIST_WAYS = {
+    "dask.persist": lambda y: dask.persist(y, scheduler=raydag.ray_get)[0],
+    "x.persist": lambda y: y.persist(scheduler=raydag.ray_get),
+    "raydag.persist": lambda y: raydag.persist(y)[0],
+}
+
+
+@pytest.mark.parametrize("way", PERSIST_WAYS.values(), ids=PERSIST_WAYS.keys())
+def test_persist_with_ray_get_keeps_the_results_in_ray(way, store_count, assert_store_empty):
+    """With the hook (dask 2026.x), ``dask.persist(x, scheduler=raydag.ray_get)`` and
+    ``x.persist(scheduler=raydag.ray_get)`` are ``raydag.persist``: the chunks stay in
+    Ray; without it (2025.3.x) dask brings them to the driver."""
     x = _x()
     y = x + x.T
-    (p,) = dask.persist(y, scheduler=raydag.ray_get)
-    # dask.persist with a get function keeps the values in the driver: no refs.
-    assert not any(isinstance(v, ray.ObjectRef) for v in dict(p.__dask_graph__()).values())
-    np.testing.assert_array_equal(p.sum().compute(scheduler="sync"), y.sum().compute())
+    p = way(y)
+    refs = len(_refs_in(p.__dask_graph__()))
+    kept_in_ray = PERSIST_HOOK or way is PERSIST_WAYS["raydag.persist"]
+    assert refs == (y.npartitions if kept_in_ray else 0)
+    if kept_in_ray:
+        assert store_count() >= y.npartitions
+    got = p.sum().compute(scheduler=raydag.ray_get)
+    np.testing.assert_allclose(got, y.sum().compute(scheduler="sync"))
     del p
+    assert_store_empty()
+
+
+def test_raydag_persist_returns_a_tuple_as_dask_persist_does(assert_store_empty):
+    x = dask.delayed(inc)(1)
+    assert isinstance(raydag.persist(x), tuple) and len(raydag.persist(x)) == 1
+    p, q = raydag.persist(x, dask.delayed(inc)(2))
+    assert dask.compute(p, q, scheduler=raydag.ray_get) == (2, 3)
+    del p, q
     assert_store_empty()
 
 
@@ -385,6 +426,78 @@ def test_config_scheduler(assert_store_empty):
     assert pid != os.getpid()
     assert got == (x + 1).sum().compute(scheduler="sync")
     assert_store_empty()
+
+
+def _settings():
+    return {
+        "scheduler": dask.config.get("scheduler", "<none>"),
+        "dataframe.shuffle.method": dask.config.get("dataframe.shuffle.method", "<none>"),
+    }
+
+
+def test_enable_makes_raydag_the_scheduler_and_disable_puts_back_what_was_there(
+    assert_store_empty,
+):
+    """``raydag.enable()``: compute and persist run on Ray, the shuffle is raydag's; then
+    ``disable()`` gives back the values set before (not dask's defaults)."""
+    import raydag.shuffle
+
+    hook_before = raydag.shuffle.installed()
+    with dask.config.set({"scheduler": "threads", "dataframe.shuffle.method": "tasks"}):
+        before = _settings()
+        try:
+            handle = raydag.enable()
+            assert dask.config.get("scheduler") is raydag.ray_get
+            assert dask.config.get("dataframe.shuffle.method") == "raydag"
+            assert raydag.shuffle.installed()
+            assert dask.delayed(in_worker)().compute() != os.getpid()
+            x = _x()
+            p = (x + 1).persist()
+            assert len(_refs_in(p.__dask_graph__())) == (x.npartitions if PERSIST_HOOK else 0)
+            assert p.sum().compute() == (x + 1).sum().compute(scheduler="sync")
+            del p
+            ddf = _ddf(4)
+            got = ddf.set_index("v").w.compute()  # raydag's shuffle, on Ray
+            ran = set(raydag.last_run().tasks["category"])
+            assert any(c.startswith(raydag.shuffle.MAP) for c in ran), ran
+            assert_same(got, ddf.compute(scheduler="sync").set_index("v").w.sort_index())
+        finally:
+            raydag.disable()
+        assert _settings() == before
+        assert "undone" in repr(handle)
+        assert raydag.shuffle.installed() == hook_before
+        raydag.disable()  # again: nothing to undo
+        assert _settings() == before
+    assert_store_empty()
+
+
+def test_enable_as_a_context_manager_and_settings_that_had_no_value():
+    """No scheduler set before: none after. Twice enabled (a notebook cell run twice):
+    one ``disable`` undoes both."""
+    with dask.config.set({"scheduler": None}):
+        dask.config.config.pop("scheduler")
+        try:
+            with raydag.enable() as handle:
+                assert dask.config.get("scheduler") is raydag.ray_get
+                assert dask.delayed(in_worker)().compute() != os.getpid()
+            assert "scheduler" not in dask.config.config
+            assert not handle.active
+            raydag.enable()
+            raydag.enable(shuffle=False)
+            raydag.disable()
+            assert "scheduler" not in dask.config.config
+        finally:
+            raydag.disable()
+
+
+def test_disable_leaves_a_setting_changed_since_enable():
+    with dask.config.set({"scheduler": "threads", "dataframe.shuffle.method": "tasks"}):
+        try:
+            raydag.enable()
+            dask.config.set(scheduler="sync")  # the user's own, after enable
+        finally:
+            raydag.disable()
+        assert _settings() == {"scheduler": "sync", "dataframe.shuffle.method": "tasks"}
 
 
 def record_block(block, path):
@@ -411,7 +524,7 @@ def test_raydag_persist_array_keeps_refs_and_frees_them(tmp_path, store_count, a
     x = da.from_array(data, chunks=250).map_blocks(record_block, str(log), dtype=float)
     nchunks = x.npartitions
 
-    p = raydag.persist(x)
+    (p,) = raydag.persist(x)
     assert log.read_text().count("x") == nchunks
     refs = _refs_in(p.__dask_graph__())
     assert len(refs) == nchunks, "the persisted graph should hold one ObjectRef per chunk"
@@ -436,8 +549,8 @@ def test_raydag_persist_array_keeps_refs_and_frees_them(tmp_path, store_count, a
 def test_raydag_persist_dataframe_and_delayed(store_count, assert_store_empty):
     ddf = _ddf(4)
     lst = dask.delayed(make_list)(3)
-    pdf = raydag.persist(ddf[ddf.w > 0.5])  # apart: dask warns about mixing expressions
-    plst = raydag.persist(lst)
+    (pdf,) = raydag.persist(ddf[ddf.w > 0.5])  # apart: dask warns about mixing expressions
+    (plst,) = raydag.persist(lst)
     assert len(_refs_in(pdf.__dask_graph__())) == 4
     assert len(_refs_in(plst.__dask_graph__())) == 1
     assert store_count() >= 5
@@ -456,10 +569,10 @@ def _compute_persisted(kind):
     """Persist with raydag, compute a derived collection; return (result, expected) or an error."""
     if kind == "array":
         data = np.arange(1_000_000.0).reshape(1000, 1000)
-        p = raydag.persist(da.from_array(data, chunks=500) * 2)
+        (p,) = raydag.persist(da.from_array(data, chunks=500) * 2)
         y, expected = (p + 1).sum(), float((data * 2 + 1).sum())
     else:
-        p = raydag.persist(db.from_sequence(range(100), npartitions=4).map(inc))
+        (p,) = raydag.persist(db.from_sequence(range(100), npartitions=4).map(inc))
         y, expected = p.map(inc).sum(), sum(range(2, 102))
     try:
         return float(y.compute(scheduler=raydag.ray_get)), float(expected)
@@ -480,8 +593,8 @@ def test_raydag_persist_twice_then_drop_one(assert_store_empty):
     data = np.arange(1_000_000.0).reshape(1000, 1000)
     x = da.from_array(data, chunks=500) * 2
     for drop_first in (False, True):
-        p1 = raydag.persist(x)
-        p2 = raydag.persist(x)
+        (p1,) = raydag.persist(x)
+        (p2,) = raydag.persist(x)
         if drop_first:
             p1, p2 = p2, p1
         del p2
@@ -514,6 +627,32 @@ def test_annotations_resources_and_retries(tmp_path, assert_store_empty):
         warnings.simplefilter("error")  # annotations are not foreign keyword arguments
         got = dask.compute(cpus, flaky, scheduler=raydag.ray_get)
     assert got == (1.0, "second attempt")
+    assert_store_empty()
+
+
+def test_annotations_dask_sets_are_accepted_without_a_warning(assert_store_empty):
+    with dask.annotate(priority=10, workers=["w1"], allow_other_workers=True):
+        x = dask.delayed(inc)(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dask.compute(x, scheduler=raydag.ray_get) == (2,)
+    assert_store_empty()
+
+
+def test_an_unknown_annotation_is_warned_about_once_per_compute(assert_store_empty):
+    with dask.annotate(retires=2):  # a typo of retries
+        xs = [dask.delayed(inc)(i) for i in range(3)]
+    with dask.annotate(colour="red"):
+        y = dask.delayed(sum)(xs)
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert dask.compute(y, scheduler=raydag.ray_get) == (6,)
+        ours = [w for w in caught if issubclass(w.category, raydag.api.UnknownAnnotationWarning)]
+        assert len(ours) == 1, [str(w.message) for w in caught]
+        assert issubclass(ours[0].category, UserWarning)
+        message = str(ours[0].message)
+        assert "retires" in message and "colour" in message, message
     assert_store_empty()
 
 

@@ -19,6 +19,7 @@ from raydag.core import bundles
 from raydag.core.events import (
     Cancel,
     CpusChanged,
+    Fail,
     InputLost,
     NodeDied,
     NodeTakenDead,
@@ -148,6 +149,62 @@ def test_given_values_on_a_node_dead_before_the_compute_are_recomputed_at_start(
     out = s.start()
     (rec,) = waves(out)
     assert rec.lost == ("g",) and [x.root for x in submits(out)] == ["g"]
+
+
+@pytest.mark.parametrize("ray_first", [False, True])
+def test_given_values_of_an_earlier_ray_session_are_recomputed_at_start(ray_first):
+    """``gone``: the Ray layer's word that given values went with an earlier Ray session.
+    Those the compute reads are recomputed from their lineage, ray-first or not; one
+    nothing reads (``g2``) is not."""
+    deps = {"a": set(), "g": {"a"}, "g2": {"a"}, "h": {"g"}}
+    s = make(
+        deps,
+        {"h"},
+        available={"g", "g2"},
+        gone={"g", "g2"},
+        nodes={"n1": 1},
+        given_nodes={"g": "n1", "g2": "n1"},
+        recovery=Recovery(ray_first=ray_first),
+    )
+    out = s.start()
+    s.validate_state()
+    (rec,) = waves(out)
+    assert rec.lost == ("g",) and set(rec.recompute) == {"g", "a"}
+    assert [x.root for x in submits(out)] == ["a"]
+    run_to(s, out, {})
+    s.validate_state()
+    assert s.done and s.tasks["g2"].state == RELEASED and s.tasks["h"].state == MEMORY
+    assert s.gone == {"g2"}  # g was made again: lost later, it is recomputed as any value
+
+
+def test_a_gone_given_value_is_never_held_again_when_a_recomputation_reads_it():
+    """``b`` (gone) is read by nothing but the given ``c``; when ``c``'s node dies, its
+    recomputation reads ``b``, which must be recomputed too, not taken as held."""
+    deps = {"a": set(), "b": {"a"}, "c": {"b"}, "h": {"c"}}
+    s = make(
+        deps,
+        {"h"},
+        available={"b", "c"},
+        gone={"b"},
+        nodes={"n1": 1, "n2": 1},
+        given_nodes={"b": "n1", "c": "n2"},
+    )
+    out = s.start()
+    assert waves(out) == [] and [x.root for x in submits(out)] == ["h"]  # b: not read
+    (h,) = submits(out)
+    out = s.handle(NodeDied("n2"))
+    s.validate_state()
+    (rec,) = waves(out)
+    assert rec.lost == ("c",) and set(rec.recompute) == {"a", "b", "c"}
+
+
+def test_a_given_value_of_an_earlier_ray_session_without_lineage_fails_naming_it():
+    deps = {"g": set(), "h": {"g"}}
+    s = make(deps, {"h"}, available={"g"}, fixed={"g"}, gone={"g"}, nodes={"n1": 1})
+    out = s.start()
+    (fail,) = [i for i in out if isinstance(i, Fail)]
+    assert fail.key == "g" and "'g'" in str(fail.error) and "earlier Ray session" in str(fail.error)
+    assert submits(out) == [] and s.done
 
 
 def test_ray_first_leaves_lost_values_to_ray_until_a_reader_fails():

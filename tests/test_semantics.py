@@ -129,6 +129,178 @@ def test_unshippable_exception_gives_a_clear_error(fail, name, assert_store_empt
     assert_store_empty()
 
 
+MAIN_ERROR_SCRIPT = textwrap.dedent(
+    """
+    import dask, raydag
+
+    class MainError(Exception):
+        pass
+
+    def fail(x):
+        raise MainError(f"from main {x}")
+
+    dask.config.set({"raydag.progress.enabled": False})
+    try:
+        dask.compute(dask.delayed(fail)(1, dask_key_name="fails"), scheduler=raydag.ray_get)
+    except MainError as e:
+        print("CAUGHT", type(e) is MainError, e, flush=True)
+    except BaseException as e:
+        print("NOT CAUGHT", type(e).__name__, e, flush=True)
+    """
+)
+
+
+def _script(code: str, *args: str, timeout: float = 300) -> str:
+    """Run ``code`` as ``__main__`` in a new process on the session's Ray; its output."""
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True, text=True, env=env, timeout=timeout,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    return done.stdout
+
+
+def test_an_exception_class_of_main_is_caught_by_its_class():
+    """A script's (or a notebook's) own exception class: the worker ships it by value,
+    and the driver gets back its very class (it was "MainError: from main (the
+    exception could not be pickled)", a RuntimeError)."""
+    out = _script(MAIN_ERROR_SCRIPT)
+    assert "CAUGHT True from main 1" in out, out
+
+
+def interrupt(marker):
+    with open(marker, "a") as f:
+        f.write("ran\n")
+    raise KeyboardInterrupt("from the task")
+
+
+def exit_3(marker):
+    with open(marker, "a") as f:
+        f.write("ran\n")
+    sys.exit(3)
+
+
+def _raised(scheduler, fn, marker):
+    x = dask.delayed(fn)(str(marker), dask_key_name="leaves")
+    try:
+        dask.compute(x, scheduler=scheduler)
+    except BaseException as e:  # KeyboardInterrupt and SystemExit are the point
+        return e
+    raise AssertionError(f"{fn.__name__} raised nothing under {scheduler}")
+
+
+@pytest.mark.parametrize("fn", [interrupt, exit_3], ids=["KeyboardInterrupt", "SystemExit"])
+def test_keyboard_interrupt_and_system_exit_in_a_task_as_dask_raises_them(
+    fn, tmp_path, assert_store_empty
+):
+    """dask's sync and threads schedulers raise them as the task did. raydag did not:
+    a ``TaskCancelledError`` naming no key, and ``SystemExit(3)`` retried three times
+    as a worker crash, then a ``WorkerDiedError`` without the code."""
+    expected = [_raised(s, fn, tmp_path / s) for s in ("sync", "threads")]
+    got = _raised(raydag.ray_get, fn, tmp_path / "raydag")
+    for e in expected:
+        assert type(got) is type(e) and got.args == e.args, (got, e)
+    if fn is exit_3:
+        assert got.code == 3
+    assert not isinstance(got, ray.exceptions.RayError)
+    notes = "\n".join(getattr(got, "__notes__", ["'leaves'"]))  # notes: Python 3.11+
+    assert "'leaves'" in notes, notes
+    assert (tmp_path / "raydag").read_text() == "ran\n", "it ran more than once"
+    assert raydag.last_run().meta["status"] == "failed"  # the task's, not a Ctrl-C
+    del got
+    assert_store_empty()
+
+
+def nap_after_marking(marker, seconds):
+    """Runs Python code all along: Ray's interrupt lands at once (a single long
+    ``time.sleep`` would not see it until it returns)."""
+    open(marker, "w").close()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.01)
+    return 1
+
+
+@pytest.mark.ray_only
+def test_ray_cancel_without_force_is_not_taken_for_the_tasks_keyboard_interrupt(tmp_path):
+    """Ray cancels a running task (without force) with a KeyboardInterrupt in its thread:
+    the worker passes that one on to Ray, which reports the task cancelled, where a
+    task's own KeyboardInterrupt comes back as its error."""
+    from raydag.runtime import cancel
+    from raydag.runtime.worker import remote_group
+
+    marker = tmp_path / "started"
+    node = Task("napper", nap_after_marking, str(marker), 60)
+    value_ref, meta_ref = remote_group.remote([node], (), None)
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), "the task never started"
+    t0 = time.monotonic()
+    cancel([meta_ref], force=False)
+    with pytest.raises(ray.exceptions.TaskCancelledError):
+        ray.get(meta_ref, timeout=30)
+    with pytest.raises(ray.exceptions.TaskCancelledError):
+        ray.get(value_ref, timeout=5)
+    assert time.monotonic() - t0 < 20
+
+
+NEW_SESSION_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import dask, dask.array as da, numpy as np, ray, raydag
+    from dask._task_spec import DataNode, Task, TaskRef
+
+    log = sys.argv[1]
+
+    def logged(block):
+        if block.size:  # not map_blocks' meta inference
+            with open(log, "a") as f:
+                f.write("x\\n")
+        return block * 2
+
+    def runs():
+        return open(log).read().count("x")
+
+    dask.config.set({"raydag.progress.enabled": False})
+    # chunks in the object store (1.6 MB) and inline ones (8 kB), returned to the driver
+    big = da.ones(800_000, chunks=200_000).map_blocks(logged, dtype=float)
+    small = da.ones(4_000, chunks=1_000).map_blocks(logged, dtype=float)
+    (p, q) = raydag.persist(big, small)
+    print("PERSISTED", runs(), flush=True)
+    ray.shutdown()
+    ray.init(address=os.environ["RAY_ADDRESS"])  # the same cluster: a new job
+    get = raydag.ray_get
+    sums = [float((p + 1).sum().compute(scheduler=get)), float(q.sum().compute(scheduler=get))]
+    print("SUMS", *sums, runs(), flush=True)
+    print("AGAIN", float(p.sum().compute(scheduler=get)), runs(), flush=True)  # healed
+
+    (given,) = [v for v in dict(q.__dask_graph__()).values() if hasattr(v, "ref")][:1]
+    ray.shutdown()
+    ray.init(address=os.environ["RAY_ADDRESS"])
+    dsk = {"given": DataNode("given", given), "out": Task("out", np.sum, TaskRef("given"))}
+    try:  # a value given with no lineage: nothing can bring it back
+        raydag.ray_get(dsk, "out")
+    except Exception as e:
+        print("NO LINEAGE", type(e).__name__, e, flush=True)
+    """
+)
+
+
+def test_persisted_results_of_an_earlier_ray_session_run_from_their_lineage(tmp_path):
+    """After ``ray.shutdown()`` and a new ``ray.init()`` (here on the same cluster, as a
+    new job) the persisted values are gone: a compute recomputes them from the lineage
+    the collections carry (it failed in the submit: Ray's "owner is unknown"). Without
+    a lineage the error names the key."""
+    out = _script(NEW_SESSION_SCRIPT, str(tmp_path / "runs.txt"))
+    assert "PERSISTED 8" in out, out
+    assert "SUMS 2400000.0 8000.0 16" in out, out
+    assert "AGAIN 1600000.0 16" in out, out
+    assert "NO LINEAGE RuntimeError 'given' was given" in out and "earlier Ray session" in out, out
+
+
 def _driver_refs() -> set[bytes]:
     return set(ray._private.worker.global_worker.core_worker.get_all_reference_counts())
 

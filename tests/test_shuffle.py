@@ -306,7 +306,7 @@ def test_half_persisted_then_all(assert_store_empty):
     (dropping the persisted half frees it without touching the other compute)."""
     pdf = frame(20_000)
     x = dd.from_pandas(pdf, npartitions=6).shuffle("k", npartitions=8)
-    half = raydag.persist(x.partitions[:4])
+    (half,) = raydag.persist(x.partitions[:4])
     full = x.compute(scheduler=raydag.ray_get)
     pd.testing.assert_frame_equal(by(full, ["i"]), pdf)
     got_half = half.compute(scheduler=raydag.ray_get)

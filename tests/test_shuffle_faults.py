@@ -265,7 +265,7 @@ def test_node_dies_after_the_result_was_persisted(cluster, log):
     each map reruns keeping only the pieces of lost outputs."""
     c, n, m = cluster, 8, 6
     x = source(n, log).shuffle("k", npartitions=m)
-    p = raydag.persist(x)
+    (p,) = raydag.persist(x)
     held = {k: v.node for k, v in dict(p.__dask_graph__()).items() if hasattr(v, "node")}
     assert len(held) == m
     victim = Counter(held.values()).most_common(1)[0][0]
@@ -311,7 +311,7 @@ def test_half_persisted_then_all_then_deleted_mid_shuffle(cluster, log):
     c, n, m = cluster, 8, 6
     files = node_files(c)
     x = source(n, log).shuffle("k", npartitions=m)
-    half = raydag.persist(x.partitions[: m // 2])
+    (half,) = raydag.persist(x.partitions[: m // 2])
     # The persisted outputs, one primary copy each (raylets free in batches). Nodes may
     # still cache copies they fetched in earlier tests: those are not counted.
     baseline = m // 2

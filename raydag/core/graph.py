@@ -26,6 +26,26 @@ class GraphError(ValueError):
     """The graph cannot run: raised before anything is submitted."""
 
 
+class UnknownAnnotationWarning(UserWarning):
+    """A task carries an annotation that neither raydag nor dask's schedulers read."""
+
+
+# Annotations raydag acts on (``dask.annotate(resources=..., retries=...)``), and those
+# dask and distributed set or document that mean nothing on Ray: where and in which
+# order tasks run is raydag's to decide (docs/semantics.md).
+HANDLED_ANNOTATIONS = frozenset({"resources", "retries"})
+FOREIGN_ANNOTATIONS = frozenset(
+    {
+        "priority",
+        "workers",
+        "allow_other_workers",
+        "executor",
+        "span",
+        "shuffle_original_restrictions",
+    }
+)
+
+
 @dataclass
 class Graph:
     tasks: dict[Key, GraphNode]
@@ -46,6 +66,11 @@ class Graph:
 
     def annotation(self, name: str, key: Key, default: Any = None) -> Any:
         return self.annotations.get(name, {}).get(key, default)
+
+    def unknown_annotations(self) -> list[str]:
+        """Annotation names no scheduler is known to read (a typo: ``retires=2``)."""
+        known = HANDLED_ANNOTATIONS | FOREIGN_ANNOTATIONS
+        return sorted(str(name) for name in self.annotations if name not in known)
 
     @classmethod
     def from_dask(

@@ -144,7 +144,9 @@ class Recoverer:
         lost = [k for k in dict.fromkeys(keys) if k in tasks and tasks[k].state == MEMORY]
         if not lost:
             return
-        given = [k for k in lost if tasks[k].fixed]
+        lost_set = set(lost)
+        recompute, held = self._lineage(lost)
+        given = [k for k in recompute if tasks[k].fixed]  # a gone one among the inputs too
         if given:
             err = RuntimeError(
                 f"{given[0]!r} was given to this compute (persisted earlier) and is lost: "
@@ -152,12 +154,12 @@ class Recoverer:
             )
             s.fail(given[0], err, out)
             return
-        lost_set = set(lost)
         reset: list = []
         for g in list(s.groups.values()):
             if lost_set.intersection(g.inputs):
                 reset.extend(s.reset_group(g, out))
-        recompute = self._lineage(lost)
+        for k in held:
+            s.transition(tasks[k], MEMORY)
         for k in recompute:
             ts = tasks[k]
             ts.recovering = True
@@ -170,12 +172,16 @@ class Recoverer:
             touched.update(tasks[k].dependents)
         self._recount(touched, recompute)
 
-    def _lineage(self, lost: list) -> list:
+    def _lineage(self, lost: list) -> tuple[list, list]:
         """The lost values and the released inputs their recomputation reads,
-        transitively; a released given value is held again (its owner still has it)."""
+        transitively; and the released given values it reads, to hold again (their
+        owner still has them), unless gone (``State.gone``: of an earlier Ray session).
+        Changes nothing: the wave may yet fail (a value without lineage)."""
         tasks = self.s.tasks
+        gone = self.s.gone
         lost_set = set(lost)
         recompute: list = []
+        held: dict = {}
         seen: set = set()
         stack = list(lost)
         while stack:
@@ -186,11 +192,11 @@ class Recoverer:
             recompute.append(k)
             for d in tasks[k].dependencies:
                 td = tasks[d]
-                if td.given and td.state == RELEASED:
-                    self.s.transition(td, MEMORY)
-                elif td.state == RELEASED or d in lost_set:
+                if td.given and td.state == RELEASED and d not in gone:
+                    held[d] = None
+                elif td.state == RELEASED or d in lost_set or (d in gone and td.state == MEMORY):
                     stack.append(d)
-        return recompute
+        return recompute, list(held)
 
     def _recount(self, touched: set, recompute: list) -> None:
         """Who waits on what after a wave, and who is ready now."""

@@ -96,7 +96,10 @@ class State:
 
     Policies not given are off. The engine's facts: ``capacity`` (Ray tasks in flight
     to start with), ``nodes`` (alive nodes and their CPUs, when known), ``inline_bytes``
-    and ``inline_total`` (Ray's inlining of small returns, see ``raydag.core.recovery``).
+    and ``inline_total`` (Ray's inlining of small returns, see ``raydag.core.recovery``),
+    ``gone`` (given values known lost before the compute began, e.g. made in an earlier
+    Ray session: those it needs are recomputed at the start from their lineage, or it
+    fails naming the first without one).
     """
 
     def __init__(
@@ -124,6 +127,7 @@ class State:
         in_flight_per_cpu: float = 1.0,
         inline_bytes: int = 0,
         inline_total: int = 0,
+        gone: Iterable[Key] = (),
     ):
         self.tasks: dict[Key, TaskState] = {}
         cats: dict[str, str] = {}
@@ -139,6 +143,8 @@ class State:
         self.given = set(available)
         for k in self.given:
             self.tasks[k].given = True
+        # given values whose objects are gone: never held again, recomputed when needed
+        self.gone = set(gone) & self.given
         for k in fixed:
             self.tasks[k].fixed = True
         for k, r in (resources or {}).items():
@@ -254,6 +260,13 @@ class State:
                 self.transition(ts, READY)
         for ts in self.tasks.values():
             ts.waiters = sum(self.tasks[d].state not in (MEMORY, RELEASED) for d in ts.dependents)
+        # Given values gone before the compute began, that something here reads: Ray's
+        # lineage cannot bring back what an earlier Ray session made, ray-first or not.
+        gone = sorted(
+            (k for k in self.gone if self.tasks[k].waiters or self.tasks[k].output), key=repr
+        )
+        if gone:
+            self.recoverer.lose(gone, "made in an earlier Ray session", out)
         if not self.recoverer.settings.ray_first:
             self.recoverer.lose(
                 self.recoverer.lost_with_dead_nodes(), "node died before the compute", out
@@ -500,6 +513,7 @@ class State:
 
     def _to_memory(self, ts: TaskState) -> None:
         ts.state = MEMORY
+        self.gone.discard(ts.key)  # made here: a given value gone before is back
         if ts.node is not None:
             self.node(ts.node).held.add(ts.key)
 

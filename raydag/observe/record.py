@@ -170,6 +170,7 @@ class Recorder:
         self.nodes = dict(nodes or {})
         self._alive_nodes = alive_nodes
         self._end: tuple[float, float] | None = None
+        self._failed = False  # a task's error failed the compute (not the driver's Ctrl-C)
         self.meta: dict[str, Any] = {
             "format": FORMAT,
             "id": time.strftime("%Y%m%d-%H%M%S-", time.localtime(self.wall0))
@@ -181,18 +182,21 @@ class Recorder:
 
     def __call__(self, event: Event | None, instructions: Sequence[Instruction]) -> None:
         t = self.clock() - self.t0
-        if event is not None and type(event) is not TaskFinished:
+        if type(event) is not TaskFinished and (
+            event is not None or any(isinstance(i, Fail) for i in instructions)
+        ):  # the start fails when a given value is lost and has no lineage
             event, instructions = self._unusual(t, event, instructions)
         self.transcript.append((t, event, instructions))
 
     def _unusual(
-        self, t: float, event: Event, instructions: Sequence[Instruction]
-    ) -> tuple[Event, Sequence[Instruction]]:
+        self, t: float, event: Event | None, instructions: Sequence[Instruction]
+    ) -> tuple[Event | None, Sequence[Instruction]]:
         if isinstance(event, TaskErred):
             event = dataclasses.replace(event, error=_describe(event.error))
         if isinstance(event, CpusChanged):
             self.transcript.append((t, Capacity(self._slots() if self._slots else event.cpus), ()))
         if any(isinstance(i, Fail) for i in instructions):
+            self._failed = True
             instructions = [
                 dataclasses.replace(i, error=_describe(i.error)) if isinstance(i, Fail) else i
                 for i in instructions
@@ -229,7 +233,7 @@ class Recorder:
         self.meta["wall_seconds"] = self._end[1]
         if error is None:
             self.meta["status"] = "ok"
-        elif isinstance(error, KeyboardInterrupt):
+        elif isinstance(error, KeyboardInterrupt) and not self._failed:  # not a task's own
             self.meta["status"] = "aborted"
         else:
             self.meta["status"] = "failed"

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import math
 import os
+import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
 
@@ -21,7 +22,7 @@ from raydag import config
 from raydag.core import bundles
 from raydag.core.events import Event, Instruction
 from raydag.core.fusion import Fusion
-from raydag.core.graph import Graph
+from raydag.core.graph import HANDLED_ANNOTATIONS, Graph, UnknownAnnotationWarning
 from raydag.core.placement import Placement
 from raydag.core.recovery import Recovery
 from raydag.core.speculation import Speculation
@@ -30,7 +31,7 @@ from raydag.observe import progress, record
 from raydag.runtime.cluster import INLINE_BYTES, INLINE_TOTAL, alive_nodes, connect
 from raydag.runtime.graveyard import hold_until_ended
 from raydag.runtime.inbox import cancel
-from raydag.runtime.persisted import Persisted, find_persisted, is_given
+from raydag.runtime.persisted import Persisted, find_persisted, gone, is_given
 from raydag.runtime.runner import Runner, frameless
 from raydag.runtime.stores import StoreSampler, shared_reader
 from raydag.runtime.worker import pack_exception, unpack_exception
@@ -69,6 +70,14 @@ def run(
 ) -> tuple[Graph, dict[Key, tuple[ray.ObjectRef, str | None]]]:
     """Build the graph, run it on Ray, return the outputs' refs and nodes."""
     graph = Graph.from_dask(dsk, keys, is_external=is_given, find_external=find_persisted)
+    unknown = graph.unknown_annotations()
+    if unknown:
+        warnings.warn(
+            f"raydag ignores annotations that no scheduler reads: {', '.join(unknown)} "
+            f"(raydag reads {' and '.join(sorted(HANDLED_ANNOTATIONS))})",
+            UnknownAnnotationWarning,
+            stacklevel=3,
+        )
     connect()
     nodes = alive_nodes()
     per_cpu = float(config.get("scheduling.in-flight-per-cpu"))
@@ -88,6 +97,7 @@ def run(
         recovery=Recovery.from_config(),
         inline_bytes=INLINE_BYTES,
         inline_total=INLINE_TOTAL,
+        gone=gone(graph.external),
     )
     with (
         local_callbacks(callbacks) as cbs,

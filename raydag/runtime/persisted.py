@@ -10,6 +10,7 @@ from typing import Any
 import ray
 
 from raydag.compat import TaskRef
+from raydag.runtime.cluster import session
 
 Key = Hashable
 
@@ -21,17 +22,24 @@ class Persisted(TaskRef):
     ``TaskRef`` (as distributed's ``Future`` is), dask's optimisations treat it as a
     reference to its key rather than as data to inline. It carries the tasks that
     made it, so a later compute can recompute it if its node dies, and it is updated
-    in place when that happens.
+    in place when that happens. ``session``: the Ray session its ref belongs to; after
+    ``ray.shutdown()`` and a new ``ray.init()`` the value is gone with the old cluster,
+    and a compute that reads it recomputes it too (see ``gone``).
     """
 
-    __slots__ = ("ref", "node", "lineage", "__weakref__")
+    __slots__ = ("ref", "node", "lineage", "session", "__weakref__")
 
     def __init__(self, key: Key, ref: ray.ObjectRef, node: str | None, lineage: Mapping):
         super().__init__(key)
         self.ref = ref
         self.node = node
         self.lineage = lineage
+        self.session = session()
         _persisted.setdefault(key, []).append(weakref.ref(self, functools.partial(_forget, key)))
+
+    def heal(self, ref: ray.ObjectRef, node: str | None) -> None:
+        """Recomputed after a loss: the new value, in this Ray session."""
+        self.ref, self.node, self.session = ref, node, session()
 
     def __repr__(self) -> str:
         return f"Persisted({self.key!r}, {self.ref.hex()[:16]})"
@@ -51,11 +59,22 @@ def _forget(key: Key, dead: weakref.ref) -> None:
 
 
 def find_persisted(key: Key) -> Persisted | None:
-    for r in _persisted.get(key, ()):
-        p = r()
-        if p is not None:
-            return p
-    return None
+    """A live persisted result of ``key``: one of this Ray session if there is one."""
+    found = [p for r in _persisted.get(key, ()) if (p := r()) is not None]
+    if len(found) > 1:
+        now = session()
+        found.sort(key=lambda p: p.session != now)
+    return found[0] if found else None
+
+
+def gone(external: Mapping[Key, Any]) -> list[Key]:
+    """The given values made in an earlier Ray session (``ray.shutdown()``, then a new
+    ``ray.init()``): their objects went with that cluster, and their refs must never
+    reach a task (Ray fails the submit: their owner is unknown)."""
+    if not any(isinstance(v, Persisted) for v in external.values()):
+        return []
+    now = session()
+    return [k for k, v in external.items() if isinstance(v, Persisted) and v.session != now]
 
 
 def given_ref(value: Any) -> ray.ObjectRef:

@@ -264,7 +264,7 @@ class Runner:
             self.values[k] = ref
         given = self.graph.external.get(sub.root)
         if isinstance(given, Persisted):  # recomputed after a loss: heal the collection
-            given.ref, given.node = value_refs[-1], outcome.node
+            given.heal(value_refs[-1], outcome.node)
         if self.dask_state is not None:
             self._posttask(sub, outcome)
         durations = dict(zip(sub.keys, outcome.durations, strict=True))

@@ -4,10 +4,17 @@ The driver sends ``run_group`` the group's task nodes and its inputs' refs; the 
 returns each kept value as its own Ray object, then an ``Outcome``: runtimes, sizes,
 where and when it ran, or the user's error with its traceback (``tblib``), so that the
 driver raises it with its own type.
+
+Whatever a task raises is the user's error, ``KeyboardInterrupt`` and ``SystemExit``
+included (dask's own schedulers raise those from a task as they are): shipped back,
+not left to end the worker process, which Ray would take for a crash. The one
+exception is Ray's own cancel: without ``force``, Ray interrupts the task's thread
+with a ``KeyboardInterrupt``, which is passed on to Ray (a ``TaskCancelledError``).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import threading
@@ -17,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+import ray.cloudpickle
 from dask.sizeof import sizeof
 
 
@@ -66,10 +74,29 @@ def _run_nodes(nodes: list, input_keys: tuple, notify: Any, inputs: tuple) -> tu
             t0 = time.perf_counter()
             values[node.key] = node(values)
             durations.append(time.perf_counter() - t0)
-    except Exception as e:  # a user's error: ship it back whole, do not let Ray retry
-        return values, Outcome(durations, error=pack_exception(e), error_key=node.key)
+    except BaseException as e:  # a user's error: ship it back whole, do not let Ray retry
+        if isinstance(e, KeyboardInterrupt) and _cancelled_by_ray():
+            raise  # Ray's cancel, not the task's: Ray makes it a TaskCancelledError
+        key = node.key if node is not None else None
+        if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: from where?
+            _note(e, f"raised by the task {key!r} (in a Ray worker)")
+        return values, Outcome(durations, error=pack_exception(e), error_key=key)
     ctx = ray.get_runtime_context()
     return values, Outcome(durations, 0, ctx.get_node_id(), os.getpid(), started)
+
+
+def _cancelled_by_ray() -> bool:
+    """Has Ray cancelled this task? Ray's cancel without ``force`` raises
+    ``KeyboardInterrupt`` in the task's thread, as a task of its own may."""
+    try:
+        return bool(ray.get_runtime_context().is_canceled())
+    except Exception:  # a Ray without it: ship it; the driver reads no cancelled outcome
+        return False
+
+
+def _note(error: BaseException, text: str) -> None:
+    if hasattr(error, "add_note"):  # Python 3.11+
+        error.add_note(text)
 
 
 def _nothing() -> None:
@@ -85,16 +112,48 @@ remote_group = ray.remote(num_returns=2, max_retries=0)(run_group)
 
 
 def pack_exception(e: BaseException) -> bytes:
+    """``e`` and its traceback, pickled for the driver.
+
+    With Ray's cloudpickle, as Ray ships the task's functions: a class defined in
+    ``__main__`` (a script's, a notebook's) goes by value, and the driver's cloudpickle
+    gives back the driver's own class, so ``except MainError:`` catches it there. An
+    error that cannot be pickled even so, or not rebuilt, becomes a ``RuntimeError``
+    naming its type and message.
+    """
     from tblib import Traceback
 
     tb = e.__traceback__.tb_next if e.__traceback__ else None  # drop run_group's frame
     try:
-        blob = pickle.dumps((e, Traceback(tb).as_dict() if tb else None))
+        blob = _dumps((e, Traceback(tb).as_dict() if tb else None))
         pickle.loads(blob)  # some pickle but cannot be rebuilt (e.g. required __init__ args)
         return blob
     except Exception:
         plain = RuntimeError(f"{type(e).__name__}: {e} (the exception could not be pickled)")
         return pickle.dumps((plain, Traceback(tb).as_dict() if tb else None))
+
+
+class _ErrorPickler(ray.cloudpickle.CloudPickler):
+    """Ray's cloudpickle, but builtin exceptions with an ``__init__`` of their own
+    (``SystemExit``, ``StopIteration``, ``UnicodeDecodeError``, ...) pickled their own
+    way: dask.multiprocessing installs ``tblib.pickling_support`` in ``copyreg`` on
+    import, whose reducer rebuilds them without calling it (``SystemExit(3).code``
+    comes back ``None``)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        cls = type(obj)
+        if (
+            isinstance(obj, BaseException)
+            and cls.__module__ == "builtins"
+            and cls.__init__ not in (BaseException.__init__, OSError.__init__)
+        ):
+            return obj.__reduce__()
+        return super().reducer_override(obj)
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    _ErrorPickler(buf, protocol=ray.cloudpickle.DEFAULT_PROTOCOL).dump(obj)
+    return buf.getvalue()
 
 
 def unpack_exception(blob: bytes) -> BaseException:

@@ -25,6 +25,7 @@ collection is built).
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
@@ -42,6 +43,8 @@ from raydag.shuffle.tasks import (  # noqa: F401  (the shuffle's names, in one p
 )
 
 METHOD = "raydag"
+
+logger = logging.getLogger(__name__)
 
 Key = Hashable
 
@@ -70,7 +73,14 @@ def bundles(
 # ---- the dask-expr side ----------------------------------------------------------------
 
 
-_installed = False
+# dask-expr's own ``Shuffle._lower`` and raydag's wrapper of it, while the hook is in
+_original: Any = None
+_wrapper: Any = None
+
+
+def installed() -> bool:
+    """Is dask-expr's ``"raydag"`` shuffle method installed (``install``)?"""
+    return _original is not None
 
 
 def install() -> None:
@@ -78,10 +88,10 @@ def install() -> None:
 
     dask has no hook for a third-party shuffle: ``Shuffle._lower`` picks the
     expression by the method's name, so it is wrapped to pick ``RaydagShuffle`` for
-    ``"raydag"`` and leave every other method to dask.
+    ``"raydag"`` and leave every other method to dask. ``uninstall`` unwraps it.
     """
-    global _installed
-    if _installed:
+    global _original, _wrapper
+    if _original is not None:
         return
     from dask.utils import get_default_shuffle_method
 
@@ -104,8 +114,23 @@ def install() -> None:
             self.original_partitioning_index,
         )
 
-    Shuffle._lower = _lower
-    _installed = True
+    Shuffle._lower = _wrapper = _lower
+    _original = original
+
+
+def uninstall() -> None:
+    """Give dask-expr back its own ``Shuffle._lower`` (what ``raydag.disable()`` does,
+    when its ``enable()`` installed it). Nothing happens if it is not installed."""
+    global _original, _wrapper
+    if _original is None:
+        return
+    from raydag.compat import Shuffle
+
+    if Shuffle.__dict__.get("_lower") is _wrapper:  # not wrapped again by someone else
+        Shuffle._lower = _original
+    else:
+        logger.warning("raydag: dask-expr's Shuffle._lower was replaced since; left as it is")
+    _original = _wrapper = None
 
 
 def enable(scheduler: bool = True) -> Any:
