@@ -88,7 +88,7 @@ class Placer:
             n.idle = float(idle.get(node, 0.0))
         self._crowding()
 
-    def sampled_nodes_changed(self) -> None:
+    def node_gone(self) -> None:
         """A node was taken for dead: its store no longer counts."""
         self._crowding()
 

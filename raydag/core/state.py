@@ -608,7 +608,7 @@ class State:
         node.free = 0.0
         node.idle = 0.0
         node.store = None
-        self.placer.sampled_nodes_changed()
+        self.placer.node_gone()
 
     def fail(self, key: Key, error: Any, out: list[Instruction]) -> None:
         self.failed = (key, error)
