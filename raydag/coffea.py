@@ -43,7 +43,15 @@ def _process(function: Callable, item: Any) -> tuple[Any, bytes | None]:
 
 
 def _merge(reducer: Callable, *parts: Any) -> tuple[Any, bytes | None]:
-    """Merge partial outputs (Ray resolved them on this worker), compressed as they came."""
+    """Merge partial outputs (Ray resolved them on this worker), compressed as they came.
+
+    A work item skipped as a bad file (``skipbadfiles``) made ``None``; merged with
+    nothing else, it stays ``None``, as coffea's other executors accumulate it (coffea's
+    reducer raises "Empty list provided to reduction" on a batch of them alone).
+    """
+    parts = tuple(p for p in parts if p is not None)
+    if not parts:
+        return None, None
     return _process(reducer, parts)
 
 

@@ -170,6 +170,42 @@ def test_an_exception_class_of_main_is_caught_by_its_class():
     assert "CAUGHT True from main 1" in out, out
 
 
+class TaskWarning(UserWarning):
+    """Raised in a task: the driver must see this very category."""
+
+
+def warns_then_returns(x):
+    warnings.warn(f"look at {x}", TaskWarning, stacklevel=1)
+    warnings.warn("deprecated", DeprecationWarning, stacklevel=1)
+    return x + 1
+
+
+def warns_then_fails(x):
+    warnings.warn("before the failure", TaskWarning, stacklevel=1)
+    raise ValueError("after the warning")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the driver's filter decides
+@pytest.mark.parametrize("scheduler", ["sync", raydag.ray_get], ids=["sync", "raydag"])
+def test_warnings_raised_in_tasks_are_warned_on_the_driver(scheduler, assert_store_empty):
+    """As under dask's threads: ``pytest.warns`` (the driver's filters) sees a task's
+    warnings, each once per task, with its category, text and place; also those
+    raised before the task failed."""
+    xs = [dask.delayed(warns_then_returns)(i, dask_key_name=f"w-{i}") for i in range(3)]
+    with pytest.warns(TaskWarning) as seen:
+        assert dask.compute(*xs, scheduler=scheduler) == (1, 2, 3)
+    texts = sorted(str(w.message) for w in seen if w.category is TaskWarning)
+    assert texts == ["look at 0", "look at 1", "look at 2"]
+    mine = [w for w in seen if w.category is TaskWarning]
+    assert all(w.filename == __file__ for w in mine), [w.filename for w in mine]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TaskWarning)  # a filter of the driver's applies
+        with pytest.raises(TaskWarning):
+            dask.compute(xs[0], scheduler=scheduler)
+    with pytest.warns(TaskWarning, match="before the failure"), pytest.raises(ValueError):
+        dask.compute(dask.delayed(warns_then_fails)(1), scheduler=scheduler)
+
+
 def interrupt(marker):
     with open(marker, "a") as f:
         f.write("ran\n")

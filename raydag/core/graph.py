@@ -9,6 +9,7 @@ from it.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -88,7 +89,7 @@ class Graph:
         annotations = _annotations(dsk)
         if not isinstance(dsk, Mapping):
             dsk = dsk.__dask_graph__()
-        tasks = convert_legacy_graph(dsk)
+        tasks = _keyed(convert_legacy_graph(dsk))
         external = {
             k: t.value for k, t in tasks.items() if isinstance(t, DataNode) and is_external(t.value)
         }
@@ -160,6 +161,19 @@ def _cull(
                 raise GraphError(f"Task {k!r} depends on {d!r}, which is not in the graph")
             stack.append((d, dep))
     return culled
+
+
+def _keyed(tasks: dict[Key, GraphNode]) -> dict[Key, GraphNode]:
+    """Each node under its graph's key: the key it is stored under is its name, as in
+    dask's own schedulers, whatever the node says (``dd.from_delayed(...,
+    verify_meta=False)`` stores an ``Alias`` named after its target's container under
+    the partition's key). A node that disagrees is copied with the graph's key."""
+    for k, t in tasks.items():
+        if t.key != k:
+            t = copy.copy(t)
+            t.key = k
+            tasks[k] = t
+    return tasks
 
 
 def _check_acyclic(dependencies: Mapping[Key, frozenset], dependents: Mapping[Key, set]) -> None:

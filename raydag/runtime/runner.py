@@ -55,6 +55,7 @@ from raydag.runtime.worker import (
     remote_group,
     spare_worker,
     unpack_exception,
+    warn_again,
 )
 
 logger = logging.getLogger("raydag.runtime")
@@ -258,6 +259,8 @@ class Runner:
         outcome = _outcome(meta_ref, value_refs)
         if isinstance(outcome, Exception):
             return self._ray_erred(sub, outcome)
+        if outcome.warnings is not None:
+            warn_again(outcome.warnings)
         if outcome.error is not None:
             return [TaskErred(sub.copy, outcome.error_key, unpack_exception(outcome.error))]
         for k, ref in zip(sub.kept, value_refs, strict=True):

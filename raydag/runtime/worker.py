@@ -19,6 +19,8 @@ import os
 import pickle
 import threading
 import time
+import types
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +42,7 @@ class Outcome:
     error: bytes | None = None
     error_key: Any = None
     sizes: list[int] | None = None  # of each kept value, when a group keeps several
+    warnings: bytes | None = None  # what its tasks warned, for the driver to warn again
 
 
 def run_group(
@@ -55,13 +58,32 @@ def run_group(
     kept = returns or (nodes[-1].key,)
     if outcome.error is not None:
         return (*[None] * len(kept), outcome)
-    results = [values[k] for k in kept]
+    results = [_shippable(values[k]) for k in kept]
     outcome.sizes = [sizeof(r) for r in results]
     outcome.nbytes = sum(outcome.sizes)
     return (*results, outcome)
 
 
+def _shippable(value: Any) -> Any:
+    """A generator (a bag's partition may be one) cannot be pickled into Ray's store:
+    it is run to its end here and passed on as an iterator over what it made, which its
+    readers iterate as they would the generator (dask.bag itself ``reify``s them)."""
+    return iter(list(value)) if isinstance(value, types.GeneratorType) else value
+
+
 def _run_nodes(nodes: list, input_keys: tuple, notify: Any, inputs: tuple) -> tuple[dict, Outcome]:
+    """Every warning the tasks raise is caught ("always": the worker's once-per-place
+    registry must not hide a warning from the driver) and shipped; the driver warns
+    again under its own filters, as when dask's threads ran the task."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        values, outcome = _run_caught(nodes, input_keys, notify, inputs)
+    if caught:
+        outcome.warnings = pack_warnings(caught)
+    return values, outcome
+
+
+def _run_caught(nodes: list, input_keys: tuple, notify: Any, inputs: tuple) -> tuple[dict, Outcome]:
     started = time.time()
     if notify is not None:
         inbox, run, tag = notify
@@ -130,6 +152,22 @@ def pack_exception(e: BaseException) -> bytes:
     except Exception:
         plain = RuntimeError(f"{type(e).__name__}: {e} (the exception could not be pickled)")
         return pickle.dumps((plain, Traceback(tb).as_dict() if tb else None))
+
+
+def pack_warnings(caught: list[warnings.WarningMessage]) -> bytes:
+    """The warnings as ``(category, text, filename, lineno)``, pickled for the driver;
+    a category that cannot be pickled becomes a ``UserWarning`` naming it."""
+    found = [(w.category, str(w.message), w.filename, w.lineno) for w in caught]
+    try:
+        return _dumps(found)
+    except Exception:
+        return pickle.dumps([(UserWarning, f"{c.__name__}: {t}", f, n) for c, t, f, n in found])
+
+
+def warn_again(blob: bytes) -> None:
+    """On the driver: the task's warnings, warned where the task raised them."""
+    for category, text, filename, lineno in pickle.loads(blob):
+        warnings.warn_explicit(text, category, filename, lineno)
 
 
 class _ErrorPickler(ray.cloudpickle.CloudPickler):
