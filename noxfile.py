@@ -10,7 +10,7 @@ import tempfile
 import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
-nox.options.sessions = ["lint", "tests", "tests_hep", "floor", "plain"]
+nox.options.sessions = ["lint", "tests", "tests_hep", "floor", "plain", "dask_suite"]
 nox.options.reuse_existing_virtualenvs = True
 
 
@@ -69,6 +69,29 @@ def tests_hep(session: nox.Session) -> None:
     session.run("python", "-c", "import dask, dask_awkward; print('dask', dask.__version__)")
     args = session.posargs or ["-m", "not cluster and not ray_only"]
     session.run("pytest", "-q", "-p", "no:cacheprovider", "--durations=15", *args)
+
+
+# dask's own tests (they ship in dask's wheel), every compute sent to raydag by
+# tests/dask_suite/raydag_everywhere.py, as distributed runs them on its scheduler.
+# Tests no multi-process scheduler passes as written are listed there with the reason.
+DASK_SUITE = [
+    "dask.tests.test_delayed",
+    "dask.array.tests.test_reductions",
+    "dask.dataframe.tests.test_multi",
+    "dask.bag.tests.test_bag",
+]
+
+
+@nox.session
+def dask_suite(session: nox.Session) -> None:
+    """A slice of dask's own test suite with raydag as every scheduler."""
+    session.install("-e", ".[test]")
+    session.env["PYTHONPATH"] = "tests/dask_suite"
+    args = session.posargs or ["--pyargs", *DASK_SUITE]
+    session.run(
+        "pytest", "-p", "raydag_everywhere", "-q", "-p", "no:cacheprovider", "-rfE",
+        "--durations=10", *args,
+    )  # fmt: skip
 
 
 @nox.session

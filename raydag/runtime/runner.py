@@ -260,7 +260,10 @@ class Runner:
         if isinstance(outcome, Exception):
             return self._ray_erred(sub, outcome)
         if outcome.warnings is not None:
-            warn_again(outcome.warnings)
+            try:
+                warn_again(outcome.warnings)
+            except Warning as e:  # the driver's filters make it an error: the task's
+                return [TaskErred(sub.copy, sub.root, e)]  # error, as under dask's own
         if outcome.error is not None:
             return [TaskErred(sub.copy, outcome.error_key, unpack_exception(outcome.error))]
         for k, ref in zip(sub.kept, value_refs, strict=True):
