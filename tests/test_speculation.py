@@ -41,13 +41,22 @@ SETTINGS = {
 }
 
 
-def spin(label: str, log: str | None, seconds: float, slow: bool, *deps: Any) -> np.ndarray:
-    """Sleep ``seconds`` (times ``RAYDAG_TEST_SLOWDOWN`` on a slowed node when ``slow``)."""
+HANG = 45.0  # what a task "hanging" on a slowed node sleeps (then it ends: no leftovers)
+
+
+def spin(label: str, log: str | None, seconds: float, slow: bool | float, *deps: Any) -> np.ndarray:
+    """Sleep ``seconds``, times ``RAYDAG_TEST_SLOWDOWN`` on a slowed node when ``slow`` is
+    True; when ``slow`` is a number, that many times on a node with the variable set
+    (``math.inf``: hang there, ``HANG`` seconds)."""
     node = ray.get_runtime_context().get_node_id() if log else ""
     if log:
         _note(log, "start", label, node)
-    factor = float(os.environ.get("RAYDAG_TEST_SLOWDOWN", "1")) if slow else 1.0
-    time.sleep(seconds * factor)
+    slowed = "RAYDAG_TEST_SLOWDOWN" in os.environ
+    if slow is True:
+        factor = float(os.environ.get("RAYDAG_TEST_SLOWDOWN", "1"))
+    else:
+        factor = float(slow) if slow and slowed else 1.0
+    time.sleep(HANG if factor == float("inf") else seconds * factor)
     out = np.full(NBYTES // 8, float(len(label)) + sum(float(d[0]) for d in deps))
     if log:
         _note(log, "end", label, node)

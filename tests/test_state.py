@@ -1004,6 +1004,7 @@ class SpecDriver(Driver):
         # its category's runtime), or running on a node judged slow
         on_slow = any(self.state.speculator.slow(self.node[c]) for c in self.live[gid])
         straggler = on_slow or (mean is not None and ran > sp.multiplier * mean)
+        straggler = straggler or mean is None  # past 1.5x the longest run of any category
         assert known_long or straggler or ran >= sp.min_runtime, (ran, sub)
         assert len(self.live[gid]) <= sp.max_copies, ("too many copies", sub)
         self.launched[gid] = self.launched.get(gid, 0) + 1

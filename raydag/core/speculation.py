@@ -21,7 +21,9 @@ not slow takes ``T``. It is duplicated when its time left exceeds that by
 *overdue*, past ``multiplier`` times the category's ``quantile`` of nominal runtimes
 (Spark's ``spark.speculation.multiplier``, against the upper end rather than the
 median, so the long half of a mixed category is not taken for stragglers). Neither
-needs ``min_runtime``. Away from the tail the old rules stay as they were: a category
+needs ``min_runtime``; a copy of a category with no finished run yet is overdue past
+``multiplier`` times the longest run of any category (or ``min_runtime``, if shorter),
+and a straggler at once on a slow node. Away from the tail the old rules stay as they were: a category
 known long (mean past ``long_task``) is duplicated from its start, as insurance against
 losing its node; a copy past ``min_runtime`` and the ``quantile`` of its category, or
 past ``long_task`` itself, too.
@@ -29,38 +31,42 @@ past ``long_task`` itself, too.
 **Slow nodes, judged against the others.** For each lone run ``x`` of a category on
 node N, ``u = F(x / slow_node)``, where ``F`` is the fraction of the category's runs on
 the *other* nodes (not slow themselves; at least ``slow_node_others`` of them) below it
-(ties half). N is slow once it has ``slow_node_runs`` such runs with a mean ``u`` of at
-least one half: divided by ``slow_node``, its runs still rank at or above the others'
-(a Mann-Whitney test of a ``slow_node``-fold shift). A run on N not finished yet (or
-cancelled as a loser) lasted at least its time so far: it counts once its ``u`` is at
-least one half, so a hung node is judged too. Judging against the other nodes keeps
-the slow node's own runs out of the yardstick, and ranks, unlike a ratio to the mean,
-do not take the long half of a mixed category for a slowed short half: a node not
-slow has ``u = 0`` for its short runs (a third of a short run is shorter than any) and
-at most the short fraction for its long ones, a mean ``u`` of at most 1/4 in
-expectation. A slow node gets no first copies (they go, soft, to the node not slow
-with the most free CPUs; its CPUs are withheld from the slots, unless no node not
-slow is left: work still runs), and after ``block_slow_node`` it is looked at again:
-it keeps its latest run of each category and gets first copies until
-``slow_node_runs`` new ones judge it again.
+(ties half). A run is *slow* when ``u`` is at least 0.9: even ``slow_node`` times
+faster it would have been longer than nearly all the others' runs of its category. N is
+slow once ``slow_node_runs`` of its runs are slow, and at least a third of them. A run
+on N not finished yet (or cancelled as a loser) lasted at least its time so far: it
+counts once it is slow, so a hung node is judged too. Judging against the other nodes
+keeps the slow node's own runs out of the yardstick, and ranks near the top, unlike a
+ratio to the mean or the median, do not take the long half of a mixed category for a
+slowed short half: a long run on a node not slow, divided by 3, ranks at most among
+the short ones (``u`` = the short fraction), and is slow only if the category is 90 %
+short. A slow node gets no first copies (they go, soft, to the node not slow with the
+most free CPUs; its CPUs are withheld from the slots, unless only slow nodes are left:
+work still runs), and after ``block_slow_node`` it is looked at again: it keeps its
+latest run of each category and gets first copies until its new runs judge it again.
+Its pace ``p``, for the time left: the factor at which its runs, divided by it, rank on
+average in the middle of the others' (mean ``u`` one half).
 
 Why these thresholds: ``slow_node`` 3: avoiding a node ``r`` times slower loses at most
 ``1/r`` of one node's work, ``(1/3) / (n - 1 + 1/3)`` of the cluster's (14 % of 3 nodes,
 6 % of 6), while a task left there takes ``r`` times as long; a 2x node keeps its
 first copies (avoiding it would cost 20 % of 3 nodes) and its tail is left to LATE.
-``slow_node_runs`` 3: a node not slow in a category that is 40 % long tasks is
-misjudged only when its latest runs are nearly all long, about ``0.4 ** 3`` = 6 %; with
-2 runs 16 %. ``slow_node_others`` 3: a median of the others' needs a few.
+``slow_node_runs`` 2, a third of its runs: one slow run may be a task longer than any
+seen; two in a row rarely are (a category with 5 % outliers past 3x the rest: 0.25 %).
+A mixed category whose long tasks are 3x its short ones and under a tenth of it could
+make a node not slow look slow; a node 5x slow in a 50/50 mix needs about four runs
+(its long half is slow). ``slow_node_others`` 3: ranks need a few runs to rank against.
 
-Worked example (``slow_node`` 3, 3 one-CPU nodes, ``f`` mixes 0.2 s and 2 s tasks): the
-others' runs of ``f`` are ``[0.2, 0.2, 0.3, 2.0, 2.1]``. n3, five times slower, ran
-``1.0`` (a 0.2-s task) and ``10.0`` and is running one for 6 s: ``u`` = F(0.33) = 0.6,
-F(3.33) = 1.0, F(2.0) = 0.6 (at 0.5 or more: counts); mean 0.73: n3 is slow. n2, not
-slow, ran ``2.0, 2.1, 0.2``: ``u`` = F(0.67) = 0.6, F(0.7) = 0.6, F(0.07) = 0; mean 0.4:
-not slow (a ratio of medians, 2.0 / 0.3 = 6.7, would say slow). n3's factor: the ``r``
-where the mean ``u`` of its runs over ``r`` is one half, about 5.4. Its running copy:
-``e / p`` = 1.1 s; nominal runtimes at least that: ``[2.0, 2.1]``, ``T`` = 2.05 s; time
-left 5.4 * 2.05 - 6 = 5.1 s against 2.05 s afresh: duplicated on the first idle CPU.
+Worked example (``slow_node`` 3, 4 one-CPU nodes, ``f`` mixes 0.2 s and 2 s tasks):
+n0 and n1 ran ``f`` in ``[0.2, 0.2, 0.3]`` and ``[2.0, 2.1]``. n3, five times slower,
+ran ``1.0`` (a 0.2-s task) and ``10.0``, and is 9 s into a third: ``u`` = F(0.33) =
+0.6, F(3.33) = 1.0, F(3.0) = 1.0: two slow runs of three, n3 is slow. n2 ran ``2.0,
+2.1, 0.2``: ``u`` = F(0.67) = 0.6, F(0.7) = 0.6, F(0.07) = 0: none slow (a ratio of
+medians, 2.0 / 0.3 = 6.7, would say slow). n3's pace: its runs over 5 rank 0.2 (ties
+with 0.2), 0.7 and 0.6, mean 0.5: ``p`` = 5. Its running copy: ``e / p`` = 1.8 s;
+nominal runtimes at least that: ``[2.0, 2.1]``, ``T`` = 2.05 s; time left 5 * 2.05 - 9
+= 1.25 s, not more than 2.05 s afresh: left to finish (a copy 6 s in would have 4.25 s
+left: duplicated on the first idle CPU).
 """
 
 from __future__ import annotations
@@ -147,6 +153,7 @@ class Speculator:
     PACE = 16  # a node's latest runs of a category kept to judge it
     SEEDS = 64  # seeded runtimes kept as the runs of no node
     HIGH = 0.95  # the upper end of a category's runtimes when ``quantile`` is off
+    SLOW_RANK = 0.9  # a run over ``slow_node`` still above this much of the others': slow
 
     def __init__(self, state: State, settings: Speculation) -> None:
         self.s = state
@@ -251,7 +258,8 @@ class Speculator:
             self._others_now.clear()
             self._nominal_now.clear()
         ranks = self._ranks(node, sp.slow_node)  # type: ignore[arg-type]
-        if len(ranks) >= sp.slow_node_runs and sum(ranks) >= len(ranks) / 2:
+        slow_runs = sum(u >= self.SLOW_RANK for u in ranks)
+        if slow_runs >= sp.slow_node_runs and slow_runs >= len(ranks) / 3:
             n.slow_since = self.s.now
             return True
         return False
@@ -595,18 +603,34 @@ class Speculator:
             if not starts:
                 continue
             est = self.time_left(g)
-            left, fresh = est if est is not None else (0.0, math.inf)
-            on_slow = any(self.slow(c.node) for c in copies)
-            late = left > fresh + sp.min_gain or (on_slow and est is None)
+            ran = s.now - min(starts)
+            # nothing known of its category: a straggler on a slow node, or once it has
+            # run multiplier times the longest run of any category (none: min-runtime);
+            # a lone new task on a hung node must not hang the compute
+            left, fresh = est if est is not None else (ran, math.inf)
+            unknown = est is None and (
+                ran >= self._overdue_unknown() or any(self.slow(c.node) for c in copies)
+            )
+            late = left > fresh + sp.min_gain or unknown
             if g.duplicated >= sp.max_copies:
                 # one more copy only for a straggler whose duplicates all went (preempted,
                 # or dead): a hung node must never hang the compute
                 if not late or len(g.copies) > sp.max_copies:
                     continue
-            elif not (late or self.long(g.lead, s.now - min(starts))):
+            elif not (late or self.long(g.lead, ran)):
                 continue
             out.append((-left, s.tasks[g.lead].priority, g.id))
         return sorted(out)
+
+    def _overdue_unknown(self) -> float:
+        """When a copy of a category with no finished run is overdue."""
+        longest = max(
+            (self._nominal(name)[-1] for name in self.s.categories if self._nominal(name)),
+            default=None,
+        )
+        if longest is None:
+            return self.settings.min_runtime
+        return min(self.settings.min_runtime, self.settings.multiplier * longest)
 
     def _speculate(self, out: list[Instruction], tick: bool) -> None:
         sp, s = self.settings, self.s
