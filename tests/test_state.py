@@ -1448,11 +1448,14 @@ def test_quantile_policy_uses_seeded_runtimes():
     assert s.handle(Tick(1.9, {"n1": 1})) == []  # within the 90 % quantile (2 s)
     (dup,) = submits(s.handle(Tick(2.1, {"n1": 1})))
     assert dup.node == "n1"
-    # without a seed the category has no samples: no quantile, no duplicate
+    # without a seed the category has no samples: no quantile; nothing is known at
+    # all, so at the tail it is overdue once it has run min-runtime (a hung node)
     s = make({"a-1": set()}, ["a-1"], capacity=2, speculation=sp)
     (first,) = submits(s.start())
     s.handle(TaskStarted(first.copy, "n0", 0.0))
-    assert s.handle(Tick(50.0, {"n1": 1})) == []
+    assert s.handle(Tick(0.9, {"n1": 1})) == []
+    (dup,) = submits(s.handle(Tick(50.0, {"n1": 1})))
+    assert dup.duplicate and dup.node == "n1"
 
 
 def test_known_long_category_is_duplicated_as_soon_as_a_cpu_frees():
