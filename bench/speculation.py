@@ -188,10 +188,17 @@ def main() -> None:
     ap.add_argument("--kill-at", type=float, default=0.6)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", help="family: run the scenarios whose name has this")
+    ap.add_argument(
+        "--simulate",
+        action="store_true",
+        help="family on the state machine and a simulated cluster (no Ray, no overheads)",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.issue4:
         issue4(args)
+    elif args.simulate:
+        simulated(args)
     else:
         family(args)
 
@@ -441,6 +448,32 @@ def family(args: argparse.Namespace) -> None:
 
 
 RATIOS = ("off x", "on x", "rdg x", "on/off", "on/rdg", "dups")
+
+
+def simulated(args: argparse.Namespace) -> None:
+    """The family's graphs on tests/test_speculation_policy.py's simulated cluster."""
+    from test_speculation_policy import Cluster, make, simulate
+
+    from raydag.core.speculation import Speculation
+
+    print_header("speculation: the #17 family, simulated (state machine, no Ray)")
+    rows = []
+    for nodes, factor, lengths, mix in FAMILY:
+        spec = family_spec(nodes, factor, lengths, mix)
+        bound, how = family_bound(spec, nodes, factor)
+        deps = {k: set(d) for k, (_, _, d) in spec.items()}
+        length = {k: sec for k, (sec, _, _) in spec.items()}
+        took = {}
+        for on in (False, True):
+            state = make(deps, ["total"], nodes, Speculation(enabled=on))
+            t, state = simulate(state, Cluster(nodes, "n0", factor), length, horizon=HANG)
+            took[on] = t if state.done else None
+        off = ">" + f"{HANG / bound:.2f}" if took[False] is None else round(took[False] / bound, 2)
+        name = f"{nodes}n {'hung' if factor == math.inf else f'{factor:g}x'} {lengths} {mix}"
+        rows.append([name, len(spec) - 1, how, off, round(took[True] / bound, 2)])
+    print(table(["scenario", "tasks", "bound s", "off x", "on x"], rows))
+
+
 FAMILY_HEADERS = ["scenario", "rep", "tasks", "bound s", *RATIOS]
 
 
