@@ -1,4 +1,18 @@
-"""Speculative duplicates on a heavy-tailed graph: makespan with and without, in one run.
+"""Speculative duplicates: a family of straggler scenarios (issue #17), and #4's graph.
+
+``--family`` (the default): independent tasks of ONE category (``work``) and a final
+task reading them all, on 3 or 6 one-CPU nodes, one of which is slowed (2x, 5x, 20x) or
+hangs (its tasks sleep ``HANG`` s): the slowed node is started with
+``RAYDAG_TEST_SLOWDOWN`` set and the tasks read it (tests/test_speculation.py's
+``spin``). Categories mix lengths (half 0.1-0.4 s, half 1-2 s: one function, different
+inputs) or not (0.5-1 s); long tasks are #17's 10-60 s scaled down 10x to 1-6 s (half
+1-2 s and half 4-6 s, or 3-5 s), for time on a shared machine. Each scenario runs with
+speculation off, on, and under ``ray_dask_get``, in one run, and is set against its
+own lower bound: no schedule beats max(longest task, total work / the nodes' summed
+speeds) plus the final task (speeds 1, 1/f for the slowed node, 0 for the hung one),
+printed with its arithmetic. A hung ``ray_dask_get`` waits ``HANG`` s.
+
+``--issue4``: #4's scenarios, as before:
 
 A head without CPUs and 3 one-CPU nodes (tests/harness.py), the third started with
 ``RAYDAG_TEST_SLOWDOWN=5``. The graph: ``--short`` tasks of 0.1-0.5 s (fixed seed),
@@ -31,6 +45,7 @@ started, "copy after" how long after it its other copy (duplicate, or restart) d
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import sys
@@ -51,7 +66,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 
 from _common import print_header, table, write_json  # noqa: E402
 from harness import MultiNodeCluster  # noqa: E402
-from test_speculation import graph, runs  # noqa: E402
+from test_speculation import HANG, graph, runs, spin  # noqa: E402
 
 import raydag  # noqa: E402
 
@@ -167,12 +182,28 @@ def run(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--issue4", action="store_true", help="#4's scenarios (a) and (b)")
     ap.add_argument("--short", type=int, default=8)
     ap.add_argument("--long", type=int, default=1)
     ap.add_argument("--kill-at", type=float, default=0.6)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--only", help="family: run the scenarios whose name has this")
+    ap.add_argument(
+        "--simulate",
+        action="store_true",
+        help="family on the state machine and a simulated cluster (no Ray, no overheads)",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.issue4:
+        issue4(args)
+    elif args.simulate:
+        simulated(args)
+    else:
+        family(args)
+
+
+def issue4(args: argparse.Namespace) -> None:
     cpus = 3
     with MultiNodeCluster(nodes=2) as c:
         slowed.add(c.add_node(env_vars=SLOW_ENV).node_id)
@@ -249,6 +280,201 @@ HEADERS = [
     "won",
     "saved s",
 ]
+
+
+# ---- the family (#17) ------------------------------------------------------------
+
+FAMILY_SETTINGS = {"raydag.record.enabled": True}  # the defaults: nobody tuned them
+MARK = {"RAYDAG_TEST_SLOWDOWN": "1"}  # the slowed node; the factor is the task's
+LENGTHS = {  # (low, high) seconds, half each for "mixed"
+    ("short", "mixed"): ((0.1, 0.4), (1.0, 2.0)),
+    ("short", "single"): ((0.5, 1.0), (0.5, 1.0)),
+    ("long", "mixed"): ((1.0, 2.0), (4.0, 6.0)),
+    ("long", "single"): ((3.0, 5.0), (3.0, 5.0)),
+}
+# (nodes, factor, lengths, mix): factor inf is a hung node
+FAMILY = [
+    (3, 2.0, "short", "mixed"),
+    (3, 5.0, "short", "mixed"),
+    (3, 20.0, "short", "mixed"),
+    (3, math.inf, "short", "mixed"),
+    (3, 5.0, "short", "single"),
+    (3, 5.0, "long", "single"),
+    (3, 20.0, "long", "mixed"),
+    (6, 5.0, "short", "mixed"),
+    (6, math.inf, "short", "mixed"),
+    (6, 2.0, "long", "single"),
+]
+
+
+def family_spec(nodes: int, factor: float, lengths: str, mix: str, seed: int = 0) -> dict:
+    """``work-i`` tasks about 2.5 s of work per node (short) or 9 s (long), and ``total``."""
+    rng = random.Random(seed)
+    (a, b), (c, d) = LENGTHS[(lengths, mix)]
+    mean = (a + b + c + d) / 4
+    n = max(nodes, round(nodes * (2.5 if lengths == "short" else 9.0) / mean))
+    spec: dict[str, tuple] = {}
+    for i in range(n):
+        lo, hi = (a, b) if i % 2 == 0 else (c, d)
+        spec[f"work-{i}"] = (round(rng.uniform(lo, hi), 3), factor, ())
+    spec["total"] = (0.1, factor, tuple(spec))
+    return spec
+
+
+def family_bound(spec: dict, nodes: int, factor: float) -> tuple[float, str]:
+    """No schedule beats max(longest task, work / summed speeds) + the final task."""
+    work = sum(s for k, (s, _, _) in spec.items() if k != "total")
+    longest = max(s for k, (s, _, _) in spec.items() if k != "total")
+    slow_speed = 0.0 if factor == math.inf else 1.0 / factor
+    speeds = nodes - 1 + slow_speed
+    bound = max(longest, work / speeds) + spec["total"][0]
+    how = (
+        f"max({longest:.2f}, {work:.2f} / ({nodes - 1} + {slow_speed:.3f})) + "
+        f"{spec['total'][0]:.1f} = {bound:.2f}"
+    )
+    return bound, how
+
+
+def run_ray_dask_get(spec: dict, log: str, timeout: float) -> float | None:
+    """``ray_dask_get`` on the same graph (old-style tuples); ``None``: not done in time."""
+    from ray.util.dask import ray_dask_get
+
+    dsk = {k: (spin, k, log, s, slow, *deps) for k, (s, slow, deps) in spec.items()}
+    result: dict[str, Any] = {}
+
+    def go() -> None:
+        try:
+            result["value"] = ray_dask_get(dsk, ["total"])
+        except BaseException as e:  # reported below
+            result["error"] = e
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(timeout)
+    if "error" in result:
+        raise result["error"]
+    return None if t.is_alive() else 0.0
+
+
+def family_run(spec: dict, mode: str, timeout: float) -> dict[str, Any]:
+    fd, log = tempfile.mkstemp(prefix="rdg-bench-fam-", suffix=".log", dir="/tmp")
+    os.close(fd)
+    warm()
+    t0 = time.monotonic()
+    hung = False
+    if mode == "ray_dask_get":
+        hung = run_ray_dask_get(spec, log, timeout) is None
+    else:
+        cfg = {**FAMILY_SETTINGS, "raydag.speculation.enabled": mode == "on"}
+        with dask.config.set(cfg):
+            raydag.ray_get(graph(spec, log), ["total"])
+    wall = time.monotonic() - t0
+    rs = runs(log)
+    os.unlink(log)
+    first = min(t for *_, t in rs)
+    ends = [t for k, *_, t in rs if k == "end"]
+    span = (time.time() - first) if hung else max(ends) - first
+    out: dict[str, Any] = {"makespan": span, "wall": wall, "hung": hung}
+    out["runs"] = sum(1 for k, *_ in rs if k == "start")
+    if mode != "ray_dask_get":
+        s = raydag.last_run().summary()
+        out["duplicates"], out["won"] = s["duplicates"], s["duplicates_won"]
+    return out
+
+
+def family(args: argparse.Namespace) -> None:
+    scenarios = [
+        sc
+        for sc in FAMILY
+        if args.only is None or args.only in f"{sc[0]}n {sc[1]}x {sc[2]} {sc[3]}"
+    ]
+    header = print_header(
+        "speculation: a family of stragglers (issue #17)",
+        {
+            "cluster": "head (0 CPUs) + 3 or 6 nodes x 1 CPU; one node slowed or hung",
+            "graph": "one category 'work' (mixed or single lengths) + 'total' reading all",
+            "lengths": {f"{k[0]} {k[1]}": v for k, v in LENGTHS.items()},
+            "scale": "long tasks: #17's 10-60 s scaled 10x down to 1-6 s",
+            "settings": "defaults (raydag.yaml), speculation on / off",
+            "hang": f"a hung task sleeps {HANG:.0f} s",
+            "repeats": args.repeats,
+        },
+    )
+    rows, out = [], []
+    with MultiNodeCluster(nodes=2) as c:
+        c.add_node(env_vars=MARK)
+        size = 3
+        for nodes, factor, lengths, mix in sorted(scenarios, key=lambda sc: sc[0]):
+            while size < nodes:
+                c.add_node()
+                size += 1
+            spec = family_spec(nodes, factor, lengths, mix)
+            bound, how = family_bound(spec, nodes, factor)
+            name = f"{nodes}n {'hung' if factor == math.inf else f'{factor:g}x'} {lengths} {mix}"
+            for rep in range(1, args.repeats + 1):
+                got = {m: family_run(spec, m, HANG + 5) for m in ("off", "on", "ray_dask_get")}
+                on, off, rdg = got["on"], got["off"], got["ray_dask_get"]
+                rows.append(
+                    [
+                        name,
+                        rep,
+                        len(spec) - 1,
+                        round(bound, 2),
+                        round(off["makespan"] / bound, 2),
+                        round(on["makespan"] / bound, 2),
+                        (">" if rdg["hung"] else "") + f"{rdg['makespan'] / bound:.2f}",
+                        round(on["makespan"] / off["makespan"], 2),
+                        round(on["makespan"] / rdg["makespan"], 2),
+                        f"{on['duplicates']}/{on['won']}",
+                    ]
+                )
+                out.append({"scenario": name, "repeat": rep, "bound": bound, "how": how, **got})
+                print(f"{name} rep {rep}: bound {how}", file=sys.stderr)
+                for line in table(FAMILY_HEADERS, rows[-1:]).splitlines()[2:]:
+                    print(line, file=sys.stderr, flush=True)
+    print()
+    print(table(FAMILY_HEADERS, rows))
+    print("\nlower bounds (max(longest, work / summed speeds) + final task):")
+    for o in out:
+        if o["repeat"] == 1:
+            print(f"  {o['scenario']}: {o['how']}")
+    print(
+        "\nx bound: makespan (first task start to last task end) over the bound; on/off and "
+        "on/rdg: makespan ratios in the same repeat; dups: duplicates made/won (on); "
+        f">: ray_dask_get not done after {HANG + 5:.0f} s"
+    )
+    if args.json:
+        write_json(args.json, {**header, "results": out})
+
+
+RATIOS = ("off x", "on x", "rdg x", "on/off", "on/rdg", "dups")
+
+
+def simulated(args: argparse.Namespace) -> None:
+    """The family's graphs on tests/test_speculation_policy.py's simulated cluster."""
+    from test_speculation_policy import Cluster, make, simulate
+
+    from raydag.core.speculation import Speculation
+
+    print_header("speculation: the #17 family, simulated (state machine, no Ray)")
+    rows = []
+    for nodes, factor, lengths, mix in FAMILY:
+        spec = family_spec(nodes, factor, lengths, mix)
+        bound, how = family_bound(spec, nodes, factor)
+        deps = {k: set(d) for k, (_, _, d) in spec.items()}
+        length = {k: sec for k, (sec, _, _) in spec.items()}
+        took = {}
+        for on in (False, True):
+            state = make(deps, ["total"], nodes, Speculation(enabled=on))
+            t, state = simulate(state, Cluster(nodes, "n0", factor), length, horizon=HANG)
+            took[on] = t if state.done else None
+        off = ">" + f"{HANG / bound:.2f}" if took[False] is None else round(took[False] / bound, 2)
+        name = f"{nodes}n {'hung' if factor == math.inf else f'{factor:g}x'} {lengths} {mix}"
+        rows.append([name, len(spec) - 1, how, off, round(took[True] / bound, 2)])
+    print(table(["scenario", "tasks", "bound s", "off x", "on x"], rows))
+
+
+FAMILY_HEADERS = ["scenario", "rep", "tasks", "bound s", *RATIOS]
 
 
 if __name__ == "__main__":

@@ -315,7 +315,8 @@ def test_settings_defaults_are_the_yaml_and_from_config_reads_dask_config(cls, s
         if f.name == "min_output":
             expect = 100 * 1024
         elif key in ("fusion.max-task-duration", "fusion.max-group-duration",
-                     "speculation.long-task", "speculation.min-runtime"):  # fmt: skip
+                     "speculation.long-task", "speculation.min-runtime",
+                     "speculation.min-gain", "speculation.block-slow-node"):  # fmt: skip
             expect = config.default_seconds(key)
         else:
             expect = config.default(key)

@@ -10,6 +10,7 @@ independently of raydag's own record.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import tempfile
 import threading
@@ -41,13 +42,22 @@ SETTINGS = {
 }
 
 
-def spin(label: str, log: str | None, seconds: float, slow: bool, *deps: Any) -> np.ndarray:
-    """Sleep ``seconds`` (times ``RAYDAG_TEST_SLOWDOWN`` on a slowed node when ``slow``)."""
+HANG = 45.0  # what a task "hanging" on a slowed node sleeps (then it ends: no leftovers)
+
+
+def spin(label: str, log: str | None, seconds: float, slow: bool | float, *deps: Any) -> np.ndarray:
+    """Sleep ``seconds``, times ``RAYDAG_TEST_SLOWDOWN`` on a slowed node when ``slow`` is
+    True; when ``slow`` is a number, that many times on a node with the variable set
+    (``math.inf``: hang there, ``HANG`` seconds)."""
     node = ray.get_runtime_context().get_node_id() if log else ""
     if log:
         _note(log, "start", label, node)
-    factor = float(os.environ.get("RAYDAG_TEST_SLOWDOWN", "1")) if slow else 1.0
-    time.sleep(seconds * factor)
+    slowed = "RAYDAG_TEST_SLOWDOWN" in os.environ
+    if slow is True:
+        factor = float(os.environ.get("RAYDAG_TEST_SLOWDOWN", "1"))
+    else:
+        factor = float(slow) if slow and slowed else 1.0
+    time.sleep(HANG if factor == float("inf") else seconds * factor)
     out = np.full(NBYTES // 8, float(len(label)) + sum(float(d[0]) for d in deps))
     if log:
         _note(log, "end", label, node)
@@ -206,4 +216,55 @@ def test_speculation_off_switch(cluster, log):
     starts = [lab for k, lab, _, _ in runs(log) if k == "start"]
     assert sorted(starts) == sorted(spec)  # each once: no duplicate
     assert raydag.last_run().events.query("event == 'duplicated'").empty
+    assert_stores_empty()
+
+
+DEFAULTS = {  # raydag.yaml's: as a new user runs it
+    "raydag.speculation.quantile": 0.95,
+    "raydag.speculation.long-task": "10 minutes",
+    "raydag.speculation.min-runtime": "10s",
+}
+
+
+def test_slowed_node_with_a_mixed_category_at_the_defaults(cluster, log):
+    """One function, short and long inputs (one category), the defaults: the task left
+    on the slowed node at the tail is duplicated (no min-runtime there) and the
+    compute ends well before the slowed node would have finished it."""
+    spec = {f"work-{i}": (0.2 if i % 2 else 1.0, True, ()) for i in range(9)}
+    spec["total"] = (0.05, False, tuple(spec))
+    with dask.config.set(DEFAULTS):
+        got = raydag.ray_get(graph(spec, log), ["total"])
+    assert_same(got, expected(spec, ["total"]))
+    del got
+    rs = runs(log)
+    slow = SLOWED[-1]
+    span = max(t for *_, t in rs) - min(t for *_, t in rs)
+    ends_on_slow = [lab for k, lab, n, _ in rs if k == "end" and n == slow]
+    starts_on_slow = [lab for k, lab, n, _ in rs if k == "start" and n == slow]
+    s = raydag.last_run().summary()
+    # the slowed node's last task did not end the compute: it was overtaken, or none
+    # was left there
+    unfinished = set(starts_on_slow) - set(ends_on_slow)
+    assert unfinished <= {lab for k, lab, n, _ in rs if k == "end" and n != slow}, rs
+    assert s["duplicates_won"] >= len(unfinished), s
+    # 5.4 s of work on two nodes and a fifth: nothing like a 5 s task at the end
+    assert span < 4.0 + 5.0, (span, rs)
+    assert_stores_empty()
+
+
+def test_hung_node_never_hangs_the_compute(cluster, log):
+    """Every task hangs on the slowed node: its copies are duplicated elsewhere, and
+    the compute ends long before a hung task would."""
+    spec = {f"work-{i}": (0.5, math.inf, ()) for i in range(6)}
+    spec["total"] = (0.05, math.inf, tuple(spec))
+    t0 = time.monotonic()
+    with dask.config.set(DEFAULTS):
+        got = raydag.ray_get(graph(spec, log), ["total"])
+    took = time.monotonic() - t0
+    assert_same(got, expected(spec, ["total"]))
+    del got
+    rs = runs(log)
+    slow = SLOWED[-1]
+    assert not [lab for k, lab, n, _ in rs if k == "end" and n == slow], rs
+    assert took < HANG / 2, (took, rs)
     assert_stores_empty()

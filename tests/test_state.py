@@ -590,7 +590,9 @@ class Driver:
             used = self._first_used()
             assert used, ("only duplicates run while work is ready", ready)
             cost = self._cost((head,))
-            assert used + cost > self.capacity, ("room left for", head, used, self.capacity)
+            # (a slow node's CPUs are withheld from first copies)
+            limit = self.capacity - self.state.speculator.withheld()
+            assert used + cost > limit, ("room left for", head, used, limit)
         elif not self.inflight:  # no deadlock: nothing running, nothing ready means done
             assert self.state.done, ("stuck", self.submitted, self.finished)
 
@@ -998,10 +1000,16 @@ class SpecDriver(Driver):
         lead = sub.keys[len(sub.keys) - 1 - len(consumers)]  # what the copy runs for
         mean = self.known.get(self.sc.categories[lead])  # every run of it alike
         known_long = sp.long_task is not None and mean is not None and mean >= sp.long_task
-        assert known_long or ran >= sp.min_runtime, (ran, sub)
+        # at the tail a straggler needs no min-runtime: overdue (past multiplier times
+        # its category's runtime), or running on a node judged slow
+        on_slow = any(self.state.speculator.slow(self.node[c]) for c in self.live[gid])
+        straggler = on_slow or (mean is not None and ran > sp.multiplier * mean)
+        straggler = straggler or mean is None  # past 1.5x the longest run of any category
+        assert known_long or straggler or ran >= sp.min_runtime, (ran, sub)
         assert len(self.live[gid]) <= sp.max_copies, ("too many copies", sub)
         self.launched[gid] = self.launched.get(gid, 0) + 1
-        assert self.launched[gid] <= sp.max_copies, ("too many duplicates of one task", sub)
+        # a straggler whose duplicates all went (preempted, dead) may get another
+        assert self.launched[gid] <= sp.max_copies or straggler, ("too many duplicates", sub)
         assert len(self.dups) < sp.max_in_flight, ("too many duplicates", sub)
         self.live[gid].add(sub.copy)
         self.group_of[sub.copy] = gid
@@ -1033,7 +1041,10 @@ class SpecDriver(Driver):
             cpus = self._cpus(self.inflight[self.copy_group(cid)].root)
             self.idle[node] = max(0.0, self.idle.get(node, 0) - cpus)
         out = self.state.handle(TaskStarted(cid, node, self.now))
-        assert all(isinstance(i, Submit) and i.duplicate for i in out), out
+        # a duplicate, or a first copy: a start on a slow node frees a withheld slot
+        assert all(
+            isinstance(i, Submit) and (i.duplicate or self.state.speculator.slow(node)) for i in out
+        ), out
         self._apply(out)
         return out
 
@@ -1095,8 +1106,12 @@ class SpecDriver(Driver):
             self.spared += 1
         else:
             # the retry goes where Ray puts it (the first may have been sent to the node
-            # where a duplicate had just won)
-            assert all(i.node is None for i in out if isinstance(i, Submit)), out
+            # where a duplicate had just won), or away from a slow node
+            assert all(
+                i.node is None or i.placed.startswith("away from slow")
+                for i in out
+                if isinstance(i, Submit)
+            ), out
             out = [
                 dataclasses.replace(_same_notify(i, sub), node=sub.node, soft=sub.soft) for i in out
             ]
@@ -1433,11 +1448,14 @@ def test_quantile_policy_uses_seeded_runtimes():
     assert s.handle(Tick(1.9, {"n1": 1})) == []  # within the 90 % quantile (2 s)
     (dup,) = submits(s.handle(Tick(2.1, {"n1": 1})))
     assert dup.node == "n1"
-    # without a seed the category has no samples: no quantile, no duplicate
+    # without a seed the category has no samples: no quantile; nothing is known at
+    # all, so at the tail it is overdue once it has run min-runtime (a hung node)
     s = make({"a-1": set()}, ["a-1"], capacity=2, speculation=sp)
     (first,) = submits(s.start())
     s.handle(TaskStarted(first.copy, "n0", 0.0))
-    assert s.handle(Tick(50.0, {"n1": 1})) == []
+    assert s.handle(Tick(0.9, {"n1": 1})) == []
+    (dup,) = submits(s.handle(Tick(50.0, {"n1": 1})))
+    assert dup.duplicate and dup.node == "n1"
 
 
 def test_known_long_category_is_duplicated_as_soon_as_a_cpu_frees():
@@ -1489,8 +1507,16 @@ def test_no_duplicate_between_ticks_while_a_copy_has_not_said_where_it_runs():
 def test_task_on_a_slow_node_is_duplicated_at_once_elsewhere():
     """Tasks ran five times their category's mean on ``nS``: the final task, started
     there, is a straggler from its start (no min-runtime, no runtimes of its own
-    category): its duplicate goes to a free CPU of another node at once."""
-    sp = Speculation(enabled=True, quantile=None, long_task=None, min_runtime=10.0, slow_node=3.0)
+    category): its duplicate goes to a free CPU of another node at once. (Two runs judge
+    a node here; the default asks three, for categories that mix lengths.)"""
+    sp = Speculation(
+        enabled=True,
+        quantile=None,
+        long_task=None,
+        min_runtime=10.0,
+        slow_node=3.0,
+        slow_node_runs=2,
+    )
     deps = {f"s-{i}": set() for i in range(4)}
     deps["total"] = set(deps)
     s = make(deps, ["total"], capacity=3, speculation=sp, seed_runtimes={"s": [0.3] * 5})

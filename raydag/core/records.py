@@ -86,8 +86,10 @@ class NodeState:
     store: tuple[int, int] | None = None  # (used, capacity) bytes, the latest sample
     full: bool = False  # its store is above the high-water mark
     crowded: bool = False  # full, or much fuller than the emptiest
-    # its latest lone tasks' runtimes over their category's mean (a slow node)
-    pace: list = field(default_factory=list)
+    cpus: float = 0.0  # the most CPUs a Tick saw free on it (what a slow node withholds)
+    # since when speculation takes it for slow: no first copies go there till looked
+    # at again (``Speculation.block_slow_node`` later)
+    slow_since: float | None = None
     held: set = field(default_factory=set)  # keys whose values it holds (in memory)
 
 
@@ -126,7 +128,7 @@ class Runtimes:
 class Category:
     """What is learned of one category (``key_split`` of its keys) as its tasks finish."""
 
-    __slots__ = ("name", "count", "total", "runtimes", "made", "made_bytes", "long")
+    __slots__ = ("name", "count", "total", "runtimes", "made", "made_bytes", "long", "runs_on")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -139,6 +141,9 @@ class Category:
         self.made = 0
         self.made_bytes = 0
         self.long = False  # known long: its ready tasks also wait in the long heap
+        # speculation's: per node (``None``: seeded from an earlier run), its latest lone
+        # runs as (seconds, finished); a run not finished (a loser) lasted at least that
+        self.runs_on: dict[str | None, list[tuple[float, bool]]] = {}
 
     @property
     def mean(self) -> float | None:

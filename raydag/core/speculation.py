@@ -1,35 +1,82 @@
-"""Speculative duplicates: a second copy of a long-running task on an idle CPU elsewhere.
+"""Speculative duplicates: a second copy of a straggling task on an idle CPU elsewhere.
 
-When CPUs are idle and no first copy waits, a copy that runs *long* for its category
-gets a duplicate on another node (never its own, never a slow one); the first copy to
-finish wins and the others are cancelled. A straggler on a slow node is overtaken, and
-a node dying under a long task costs no restart from scratch.
-
-A copy is long once its category's mean runtime is at least ``long_task`` (from its
-start), or once it has run ``min_runtime`` and either its runtime is past the
-``quantile`` of its category's finished runtimes (with ``min_samples`` of them) or its
-own runtime so far is at least ``long_task``. A node is *slow* once lone tasks
-finished there (two or more, of categories with ``min_samples`` runtimes) took a median
-of ``slow_node`` times their category's mean: a copy running there is a straggler from
-its start. While a node is slow, or a first copy has run ``slow_node`` times its
-category's mean, a ready task of a category known long goes first.
-
-Worked example (``long_task`` 10 min, 3 nodes of one CPU): an hour-long ``fit`` task
-starts on n1 while n2 and n3 run short tasks. When the short tasks are done and no
-task waits, n2's CPU is idle: ``fit``'s category is known long (seeded from an earlier
-run, or from a first ``fit`` that finished), so a duplicate starts on n2 at once. If n1
-dies at minute 50, the duplicate has run 50 minutes: the restart it spared is ``Won.saved``.
-
-Duplicates only borrow idle CPUs: a first copy that becomes ready preempts them,
+When CPUs are idle and no first copy waits (the *tail*, where an idle CPU costs
+nothing), the running copies with the longest expected time left get a duplicate on
+another node (never their own, never a slow one), as in LATE (Zaharia et al., OSDI
+2008); the first copy to finish wins and the others are cancelled. Slow nodes are
+judged against the *other* nodes and get no first copies while slow, as Flink blocks
+them (``block-slow-node-duration``). While first copies wait, nothing is duplicated:
+duplicates only borrow idle CPUs, and a first copy that becomes ready cancels them,
 youngest first (``preempt``).
+
+**Expected time left (LATE), for categories that mix lengths.** One dask category
+often mixes lengths (one function, different inputs): its mean says little of one
+task. So a copy's estimate is *conditional on how long it has run*: a copy that has
+run ``e`` seconds on a node of pace ``p`` (1: a node not slow; else the slow node's
+measured factor) is a task of nominal length at least ``e / p``; its expected nominal
+length is the median of the category's nominal runtimes (finished on nodes not slow,
+or seeded) at least that long, ``T``; time left ``p * T - e``; a fresh copy on a node
+not slow takes ``T``. It is duplicated when its time left exceeds that by
+``min_gain``. On a node not slow, ``T - e < T``: a copy there is duplicated only once
+*overdue*, past ``multiplier`` times the category's ``quantile`` of nominal runtimes
+(Spark's ``spark.speculation.multiplier``, against the upper end rather than the
+median, so the long half of a mixed category is not taken for stragglers). Neither
+needs ``min_runtime``; a copy of a category with no finished run yet is overdue past
+``multiplier`` times the longest run of any category (or ``min_runtime``, if shorter),
+and a straggler at once on a slow node. Away from the tail the old rules stay as they were: a category
+known long (mean past ``long_task``) is duplicated from its start, as insurance against
+losing its node; a copy past ``min_runtime`` and the ``quantile`` of its category, or
+past ``long_task`` itself, too.
+
+**Slow nodes, judged against the others.** For each lone run ``x`` of a category on
+node N, ``u = F(x / slow_node)``, where ``F`` is the fraction of the category's runs on
+the *other* nodes (not slow themselves; at least ``slow_node_others`` of them) below it
+(ties half). A run is *slow* when ``u`` is at least 0.9: even ``slow_node`` times
+faster it would have been longer than nearly all the others' runs of its category. N is
+slow once ``slow_node_runs`` of its runs are slow, and at least a third of them. A run
+on N not finished yet (or cancelled as a loser) lasted at least its time so far: it
+counts once it is slow, so a hung node is judged too. Judging against the other nodes
+keeps the slow node's own runs out of the yardstick, and ranks near the top, unlike a
+ratio to the mean or the median, do not take the long half of a mixed category for a
+slowed short half: a long run on a node not slow, divided by 3, ranks at most among
+the short ones (``u`` = the short fraction), and is slow only if the category is 90 %
+short. A slow node gets no first copies (they go, soft, to the node not slow with the
+most free CPUs; its CPUs are withheld from the slots, unless only slow nodes are left:
+work still runs), and after ``block_slow_node`` it is looked at again: it keeps its
+latest run of each category and gets first copies until its new runs judge it again.
+Its pace ``p``, for the time left: the factor at which its runs, divided by it, rank on
+average in the middle of the others' (mean ``u`` one half).
+
+Why these thresholds: ``slow_node`` 3: avoiding a node ``r`` times slower loses at most
+``1/r`` of one node's work, ``(1/3) / (n - 1 + 1/3)`` of the cluster's (14 % of 3 nodes,
+6 % of 6), while a task left there takes ``r`` times as long; a 2x node keeps its
+first copies (avoiding it would cost 20 % of 3 nodes) and its tail is left to LATE.
+``slow_node_runs`` 2, a third of its runs: one slow run may be a task longer than any
+seen; two in a row rarely are (a category with 5 % outliers past 3x the rest: 0.25 %).
+A mixed category whose long tasks are 3x its short ones and under a tenth of it could
+make a node not slow look slow; a node 5x slow in a 50/50 mix needs about four runs
+(its long half is slow). ``slow_node_others`` 3: ranks need a few runs to rank against.
+
+Worked example (``slow_node`` 3, 4 one-CPU nodes, ``f`` mixes 0.2 s and 2 s tasks):
+n0 and n1 ran ``f`` in ``[0.2, 0.2, 0.3]`` and ``[2.0, 2.1]``. n3, five times slower,
+ran ``1.0`` (a 0.2-s task) and ``10.0``, and is 9 s into a third: ``u`` = F(0.33) =
+0.6, F(3.33) = 1.0, F(3.0) = 1.0: two slow runs of three, n3 is slow. n2 ran ``2.0,
+2.1, 0.2``: ``u`` = F(0.67) = 0.6, F(0.7) = 0.6, F(0.07) = 0: none slow (a ratio of
+medians, 2.0 / 0.3 = 6.7, would say slow). n3's pace: its runs over 5 rank 0.2 (ties
+with 0.2), 0.7 and 0.6, mean 0.5: ``p`` = 5. Its running copy: ``e / p`` = 1.8 s;
+nominal runtimes at least that: ``[2.0, 2.1]``, ``T`` = 2.05 s; time left 5 * 2.05 - 9
+= 1.25 s, not more than 2.05 s afresh: left to finish (a copy 6 s in would have 4.25 s
+left: duplicated on the first idle CPU).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from statistics import median
 from typing import TYPE_CHECKING
 
 from raydag import config
@@ -67,6 +114,11 @@ class Speculation:
     max_in_flight: int = _d("speculation.max-in-flight")  # type: ignore[assignment]
     max_copies: int = _d("speculation.max-copies")  # type: ignore[assignment]
     slow_node: float | None = _d("speculation.slow-node")  # type: ignore[assignment]
+    multiplier: float = _d("speculation.multiplier")  # type: ignore[assignment]
+    min_gain: float = _s("speculation.min-gain")  # type: ignore[assignment]
+    slow_node_runs: int = _d("speculation.slow-node-runs")  # type: ignore[assignment]
+    slow_node_others: int = _d("speculation.slow-node-others")  # type: ignore[assignment]
+    block_slow_node: float = _s("speculation.block-slow-node")  # type: ignore[assignment]
 
     @classmethod
     def from_config(cls) -> Speculation:
@@ -81,13 +133,27 @@ class Speculation:
             max_in_flight=int(config.get("speculation.max-in-flight")),
             max_copies=int(config.get("speculation.max-copies")),
             slow_node=None if slow is None else float(slow),
+            multiplier=float(config.get("speculation.multiplier")),
+            min_gain=config.seconds("speculation.min-gain"),
+            slow_node_runs=int(config.get("speculation.slow-node-runs")),
+            slow_node_others=int(config.get("speculation.slow-node-others")),
+            block_slow_node=config.seconds("speculation.block-slow-node"),
         )
+
+
+def _rank(sorted_xs: list[float], x: float) -> float:
+    """The fraction of ``sorted_xs`` below ``x``, ties counted half."""
+    lo, hi = bisect_left(sorted_xs, x), bisect_right(sorted_xs, x)
+    return (lo + hi) / 2 / len(sorted_xs)
 
 
 class Speculator:
     """The state machine's speculation part: runtimes and paces learned, duplicates made."""
 
-    PACE = 8  # a node's latest runtimes kept to judge it slow
+    PACE = 16  # a node's latest runs of a category kept to judge it
+    SEEDS = 64  # seeded runtimes kept as the runs of no node
+    HIGH = 0.95  # the upper end of a category's runtimes when ``quantile`` is off
+    SLOW_RANK = 0.9  # a run over ``slow_node`` still above this much of the others': slow
 
     def __init__(self, state: State, settings: Speculation) -> None:
         self.s = state
@@ -97,6 +163,12 @@ class Speculator:
         # go first while the cluster is short-handed (see ``short_handed``)
         self.ready_long: list[tuple[int, int, int, Key]] = []
         self._short_handed_now: bool | None = None  # per event: see ``short_handed``
+        # till a run is learned or time passes (``_forget``): node -> slow; (category, node) -> the
+        # others' sorted runs; category -> the sorted nominal runs; node -> its pace
+        self._slow_now: dict[str | None, bool] = {}
+        self._others_now: dict[tuple[str, str | None], list[float]] = {}
+        self._nominal_now: dict[str, list[float]] = {}
+        self._pace_now: dict[str, float] = {}
         # (node, CPUs): where a duplicate just won; the next first copies go there
         self.steer: tuple[str, float] | None = None
 
@@ -106,23 +178,36 @@ class Speculator:
 
     # ---- learning ------------------------------------------------------------------
 
-    def learn(self, cat: Category, seconds: float, pace: list | None) -> None:
-        """A task of ``cat`` ran ``seconds``; ``pace``: its node's, if it ran alone."""
+    def seed(self, cat: Category, seconds: list[float]) -> None:
+        """Runtimes of ``cat`` from an earlier run: the runs of no node of this one."""
+        r = cat.runtimes = Runtimes()
+        for x in seconds:
+            r.add(x)
+        if seconds:
+            cat.runs_on[None] = [(x, True) for x in seconds[-self.SEEDS :]]
+        cat.long = self.long_mean(r)
+
+    def learn(self, cat: Category, seconds: float, node: str | None) -> None:
+        """A task of ``cat`` ran ``seconds``; ``node``: where, if it ran alone."""
         if not self.enabled:
             return
-        sp = self.settings
         r = cat.runtimes
         if r is None:
             r = cat.runtimes = Runtimes()
-        if pace is not None and r.count >= sp.min_samples and r.mean:
-            pace.append(seconds / r.mean)
-            del pace[: -self.PACE]
         r.add(seconds)
+        if node is not None:
+            self._run(cat, node, seconds, True)
         long = self.long_mean(r)
         if long and not cat.long:
             cat.long = True
             self._index_long(cat.name)
         cat.long = long
+
+    def _run(self, cat: Category, node: str, seconds: float, done: bool) -> None:
+        runs = cat.runs_on.setdefault(node, [])
+        runs.append((seconds, done))
+        del runs[: -self.PACE]
+        self._forget()
 
     def long_mean(self, r: Runtimes) -> bool:
         """Does this category's mean make it known long, for reordering?"""
@@ -145,6 +230,135 @@ class Speculator:
     def made_ready(self, entry: tuple) -> None:
         if self.known_long(entry[-1]):
             heapq.heappush(self.ready_long, entry)
+
+    # ---- slow nodes ------------------------------------------------------------------
+
+    def slow(self, node: str | None) -> bool:
+        """Is ``node`` slow: judged so against the other nodes, and not looked at again yet?"""
+        if node is None or self.settings.slow_node is None or not self.enabled:
+            return False
+        got = self._slow_now.get(node)
+        if got is None:
+            got = self._slow_now[node] = self._judge(node)
+        return got
+
+    def _judge(self, node: str) -> bool:
+        n = self.s.nodes.get(node)
+        if n is None or not n.alive:
+            return False
+        sp = self.settings
+        if n.slow_since is not None:
+            if self.s.now - n.slow_since < sp.block_slow_node:
+                return True
+            n.slow_since = None  # looked at again: its latest run of each category stays
+            for cat in self.s.categories.values():
+                runs = cat.runs_on.get(node)
+                if runs:
+                    del runs[:-1]
+            self._others_now.clear()
+            self._nominal_now.clear()
+        ranks = self._ranks(node, sp.slow_node)  # type: ignore[arg-type]
+        slow_runs = sum(u >= self.SLOW_RANK for u in ranks)
+        if slow_runs >= sp.slow_node_runs and slow_runs >= len(ranks) / 3:
+            n.slow_since = self.s.now
+            return True
+        return False
+
+    def _evidence(self, node: str) -> list[tuple[str, float, bool]]:
+        """(category, seconds, finished) of ``node``'s kept runs and its running copies."""
+        out = [
+            (cat.name, x, done)
+            for cat in self.s.categories.values()
+            for x, done in cat.runs_on.get(node, ())
+        ]
+        for g in self.s.groups.values():
+            for c in g.copies.values():
+                if c.node == node and c.started is not None and self._may_duplicate(g):
+                    out.append((self.s.tasks[g.lead].category, self.s.now - c.started, False))
+        return out
+
+    def _ranks(self, node: str, factor: float, runs: list | None = None) -> list[float]:
+        """``u = F(x / factor)`` of each of ``node``'s runs against the other nodes'."""
+        ranks = []
+        for name, x, done in self._evidence(node) if runs is None else runs:
+            others = self._others(name, node)
+            if len(others) < self.settings.slow_node_others:
+                continue
+            u = _rank(others, x / factor)
+            if done or u >= 0.5:  # a run not finished lasted at least this: evidence of slow
+                ranks.append(u)
+        return ranks
+
+    def _others(self, name: str, node: str | None) -> list[float]:
+        """The finished runs of ``name`` on nodes other than ``node`` and not slow, sorted."""
+        got = self._others_now.get((name, node))
+        if got is None:
+            cat = self.s.categories.get(name)
+            if cat is None:  # nothing of it finished yet
+                return []
+            got = sorted(
+                x
+                for m, runs in cat.runs_on.items()
+                if m != node and not self._blocked(m)
+                for x, done in runs
+                if done
+            )
+            self._others_now[(name, node)] = got
+        return got
+
+    def _blocked(self, node: str | None) -> bool:
+        n = self.s.nodes.get(node) if node is not None else None
+        return n is not None and n.slow_since is not None
+
+    def pace(self, node: str | None) -> float:
+        """How many times slower than the others ``node`` runs: 1 unless slow; else the
+        factor ``r`` at which its runs over ``r`` rank, on average, with the others'."""
+        if not self.slow(node):
+            return 1.0
+        got = self._pace_now.get(node)  # type: ignore[arg-type]
+        if got is None:
+            runs = self._evidence(node)  # type: ignore[arg-type]
+            lo, hi = math.log(self.settings.slow_node or 1.0), math.log(1e6)
+            for _ in range(40):  # the mean rank falls as the factor grows
+                mid = (lo + hi) / 2
+                ranks = self._ranks(node, math.exp(mid), runs)  # type: ignore[arg-type]
+                if ranks and sum(ranks) >= len(ranks) / 2:
+                    lo = mid
+                else:
+                    hi = mid
+            got = self._pace_now[node] = math.exp(lo)  # type: ignore[index]
+        return got
+
+    def withheld(self) -> float:
+        """Slots withheld from first copies: the slow nodes' CPUs not running one already,
+        unless no node but slow ones is left (then work still runs there)."""
+        if not self.enabled or self.settings.slow_node is None:
+            return 0.0
+        alive = [n for n in self.s.nodes.values() if n.alive]
+        slow = [n for n in alive if self.slow(n.id)]
+        if not slow or all(self.slow(n.id) for n in alive):
+            return 0.0
+        ids = {n.id for n in slow}
+        running = sum(
+            g.cost
+            for g in self.s.groups.values()
+            for c in g.copies.values()
+            if c.node in ids and not c.duplicate
+        )
+        return max(0.0, sum(max(n.cpus, 1.0) for n in slow) - running)
+
+    def away_from_slow(self, group: Group) -> tuple[str | None, str]:
+        """While a node is slow, a first copy goes (soft) to the node not slow with the
+        most free CPUs; ``None`` when no node is slow, or no other is known."""
+        if self.withheld() <= 0 or not set(self.s.tasks[group.lead].resources or ()) <= {"CPU"}:
+            return None, ""
+        nodes = [n for n in self.s.nodes.values() if n.alive and not self.slow(n.id)]
+        if not nodes:
+            return None, ""
+        best = max(nodes, key=lambda n: (n.free, n.id))
+        best.free = max(0.0, best.free - self.s.cpus(group))
+        slow = sorted(n.id[:12] for n in self.s.nodes.values() if self.slow(n.id))
+        return best.id, f"away from slow node {', '.join(slow)}"
 
     # ---- what goes first -------------------------------------------------------------
 
@@ -175,7 +389,7 @@ class Speculator:
         factor = sp.slow_node
         if factor is None:
             return False
-        if any(self.slow(n.id) for n in self.s.nodes.values() if n.pace and n.alive):
+        if any(self.slow(n.id) for n in self.s.nodes.values() if n.alive):
             return True
         for g in self.s.groups.values():
             r = self._runtimes(g.lead)
@@ -190,16 +404,6 @@ class Speculator:
     def _runtimes(self, key: Key) -> Runtimes | None:
         cat = self.s.categories.get(self.s.tasks[key].category)
         return None if cat is None else cat.runtimes
-
-    def slow(self, node: str | None) -> bool:
-        """Have lone tasks run ``slow_node`` times their category's mean on this node?"""
-        factor = self.settings.slow_node
-        n = self.s.nodes.get(node) if factor is not None and node is not None else None
-        pace = n.pace if n is not None else None
-        if not pace or len(pace) < 2:
-            return False
-        s = sorted(pace)
-        return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2 >= factor
 
     def long(self, key: Key, ran: float) -> bool:
         """Has this task, running for ``ran`` seconds, run long for its category?
@@ -219,6 +423,42 @@ class Speculator:
             return ran > r.quantile(sp.quantile)
         return False
 
+    # ---- expected time left (LATE) ---------------------------------------------------
+
+    def _nominal(self, name: str) -> list[float]:
+        """The category's finished runs on nodes not slow (and seeded ones), sorted."""
+        got = self._nominal_now.get(name)
+        if got is None:
+            cat = self.s.categories.get(name)
+            runs = cat.runs_on.items() if cat is not None else ()
+            got = sorted(x for m, rs in runs if not self.slow(m) for x, done in rs if done)
+            self._nominal_now[name] = got
+        return got
+
+    def time_left(self, group: Group) -> tuple[float, float] | None:
+        """(expected seconds left of its soonest copy, of a fresh copy on a node not slow);
+        ``None``: no estimate (no nominal runs of its category)."""
+        sp, s = self.settings, self.s
+        nominal = self._nominal(s.tasks[group.lead].category)
+        if not nominal:
+            return None
+        q = sp.quantile if sp.quantile is not None else self.HIGH
+        high = nominal[min(len(nominal) - 1, max(0, math.ceil(q * len(nominal)) - 1))]
+        best = (math.inf, 0.0)
+        for c in group.copies.values():
+            if c.started is None:
+                return None
+            ran = s.now - c.started
+            if ran > sp.multiplier * high:  # overdue: past the category's upper end
+                left, fresh = math.inf, high
+            else:
+                p = self.pace(c.node)
+                longer = nominal[bisect_left(nominal, ran / p) :]
+                length = median(longer) if longer else ran / p
+                left, fresh = p * length - ran, length
+            best = min(best, (left, fresh))
+        return best
+
     # ---- copies --------------------------------------------------------------------
 
     def started(self, group: Group, copy: Copy) -> None:
@@ -236,6 +476,12 @@ class Speculator:
             if ev.node is not None:  # the winner's CPU is free now
                 n = self.s.node(ev.node)
                 n.free = max(n.free, self.s.cpus(group))
+            if losers and self.settings.slow_node is not None and self._may_duplicate(group):
+                cat = self.s.category(self.s.tasks[group.lead].category)
+                for cid in losers:  # a loser lasted at least this long where it ran
+                    c = group.copies[cid]
+                    if c.node is not None and c.started is not None:
+                        self._run(cat, c.node, self.s.now - c.started, False)
         if winner.duplicate:
             out.append(self._won(group, ev, losers))
         if losers and ev.node is not None:
@@ -262,6 +508,8 @@ class Speculator:
             return None, ""
         node, free = self.steer
         cpus = self.s.cpus(group)
+        if self.slow(node):
+            return None, ""
         if cpus <= free and set(self.s.tasks[group.keys[-1]].resources or ()) <= {"CPU"}:
             self.steer = (node, free - cpus) if free > cpus else None
             return node, "a duplicate won there (its losers' workers are stopped)"
@@ -282,6 +530,7 @@ class Speculator:
         if not self.in_flight:
             return False
         s = self.s
+        capacity = s.capacity - self.withheld()
         # a duplicate that is its group's last copy (the first died) is not spare
         dups = []
         for cid in self.in_flight:
@@ -289,11 +538,11 @@ class Speculator:
             if len(g.copies) > 1:
                 dups.append((g.copies[cid], cid, g))
         firsts = s.used - sum(g.cost for _, _, g in dups)
-        if not dups or (firsts and firsts + cost > s.capacity + 1e-9):
+        if not dups or (firsts and firsts + cost > capacity + 1e-9):
             return False
         dups.sort(key=lambda d: -(d[0].started or math.inf))
         for copy, cid, g in dups:
-            if s.used and s.used + cost > s.capacity + 1e-9 and len(g.copies) > 1:
+            if s.used and s.used + cost > capacity + 1e-9 and len(g.copies) > 1:
                 out.append(Cancel(cid, copy.node if s.is_alive(copy.node) else None))
                 s.drop_copy(g, cid)
         return True
@@ -303,20 +552,30 @@ class Speculator:
     def new_event(self) -> None:
         self._short_handed_now = None
 
+    def _forget(self) -> None:
+        """A run was learned, or time passed: the judgements made are stale."""
+        self._slow_now.clear()
+        self._others_now.clear()
+        self._nominal_now.clear()
+        self._pace_now.clear()
+
     def ticked(self, tick: Tick) -> None:
         """Ray's view of the free CPUs replaces raydag's."""
         for n in self.s.nodes.values():
             n.free = 0.0
         for node, cpus in tick.idle.items():
             if cpus > 0:
-                self.s.node(node).free = cpus
+                n = self.s.node(node)
+                n.free = cpus
+                n.cpus = max(n.cpus, cpus)
+        self._forget()  # time passed: a running copy may tell more now
 
     # What changes the candidates and the free CPUs: time passing, a copy starting
     # (its node is known), a copy finishing (its CPU is free).
     LOOKS = (Tick, TaskStarted, TaskFinished)
 
     def after(self, event: Event, out: list[Instruction]) -> None:
-        """Every event ends here: duplicate long-running copies onto free CPUs.
+        """Every event ends here: duplicate straggling copies onto free CPUs.
 
         Only after the events that change what could be duplicated and where
         (``LOOKS``): a copy dying with its node, say, frees a CPU Ray has not shown yet
@@ -329,6 +588,49 @@ class Speculator:
         if type(event) in self.LOOKS:
             self._speculate(out, tick=type(event) is Tick)
         self.steer = None
+
+    def _candidates(self) -> list[tuple[float, int, int]]:
+        """(-time left, priority, group id) of the groups worth a duplicate now."""
+        sp, s = self.settings, self.s
+        out = []
+        for g in s.groups.values():
+            if not self._may_duplicate(g):
+                continue
+            copies = g.copies.values()
+            if any(c.node is None for c in copies):  # a copy not placed yet: nothing to avoid
+                continue
+            starts = [c.started for c in copies if c.started is not None]
+            if not starts:
+                continue
+            est = self.time_left(g)
+            ran = s.now - min(starts)
+            # nothing known of its category: a straggler on a slow node, or once it has
+            # run multiplier times the longest run of any category (none: min-runtime);
+            # a lone new task on a hung node must not hang the compute
+            left, fresh = est if est is not None else (ran, math.inf)
+            unknown = est is None and (
+                ran >= self._overdue_unknown() or any(self.slow(c.node) for c in copies)
+            )
+            late = left > fresh + sp.min_gain or unknown
+            if g.duplicated >= sp.max_copies:
+                # one more copy only for a straggler whose duplicates all went (preempted,
+                # or dead): a hung node must never hang the compute
+                if not late or len(g.copies) > sp.max_copies:
+                    continue
+            elif not (late or self.long(g.lead, ran)):
+                continue
+            out.append((-left, s.tasks[g.lead].priority, g.id))
+        return sorted(out)
+
+    def _overdue_unknown(self) -> float:
+        """When a copy of a category with no finished run is overdue."""
+        longest = max(
+            (self._nominal(name)[-1] for name in self.s.categories if self._nominal(name)),
+            default=None,
+        )
+        if longest is None:
+            return self.settings.min_runtime
+        return min(self.settings.min_runtime, self.settings.multiplier * longest)
 
     def _speculate(self, out: list[Instruction], tick: bool) -> None:
         sp, s = self.settings, self.s
@@ -343,20 +645,7 @@ class Speculator:
             return
         if not tick and any(c.node is None for g in s.groups.values() for c in g.copies.values()):
             return
-        candidates = []
-        for g in s.groups.values():
-            if g.duplicated >= sp.max_copies or not self._may_duplicate(g):
-                continue
-            copies = g.copies.values()
-            if any(c.node is None for c in copies):  # a copy not placed yet: nothing to avoid
-                continue
-            starts = [c.started for c in copies if c.started is not None]
-            if not starts:
-                continue
-            ran = s.now - min(starts)
-            if self.long(g.lead, ran) or any(self.slow(c.node) for c in copies):
-                candidates.append((s.tasks[g.lead].priority, g.id))
-        for _, gid in sorted(candidates):
+        for _, _, gid in self._candidates():
             if len(self.in_flight) >= sp.max_in_flight:
                 return
             g = s.groups[gid]
@@ -395,3 +684,8 @@ class Speculator:
             if c.runtimes is not None and self.long_mean(c.runtimes)
         }
         assert long == expect, (long, expect)
+        for n in self.s.nodes.values():
+            if n.slow_since is not None:
+                assert n.slow_since <= self.s.now + 1e-9, n
+        for c in self.s.categories.values():
+            assert all(len(runs) <= max(self.PACE, self.SEEDS) for runs in c.runs_on.values())

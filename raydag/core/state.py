@@ -72,7 +72,6 @@ from raydag.core.records import (
     Copy,
     Group,
     NodeState,
-    Runtimes,
     TaskState,
 )
 from raydag.core.recovery import Recoverer, Recovery
@@ -189,10 +188,7 @@ class State:
         self.bundler = Bundler(self, bundles)
         self.recoverer = Recoverer(self, recovery or Recovery(ray_first=False))
         for name, seconds in (seed_runtimes or {}).items():
-            r = self.category(name).runtimes = Runtimes()
-            for x in seconds:
-                r.add(float(x))
-            self.categories[name].long = self.speculator.long_mean(r)
+            self.speculator.seed(self.category(name), [float(x) for x in seconds])
 
     @classmethod
     def from_graph(cls, graph: Any, **kwargs: Any) -> State:
@@ -364,16 +360,14 @@ class State:
         """Each category's runtimes; a lone task's pace tells its node's (a fused group's
         does not: cheap by construction)."""
         sp = self.speculator
-        pace = None
         alone = len(group.keys) == 1 + len(group.consumers)
-        if sp.enabled and sp.settings.slow_node is not None and alone and ev.node is not None:
-            pace = self.node(ev.node).pace
+        node = ev.node if alone else None
         for m, seconds in ev.durations.items():
             if m in group.members:
                 cat = self.category(self.tasks[m].category)
                 cat.count += 1
                 cat.total += seconds
-                sp.learn(cat, seconds, pace)
+                sp.learn(cat, seconds, node)
 
     def _one_waiter_less(self, ts: TaskState) -> None:
         ts.waiters -= 1
@@ -584,6 +578,8 @@ class State:
         node, why = self.placer.place(group)
         if node is None:
             node, why = self.speculator.steered(group)
+        if node is None:
+            node, why = self.speculator.away_from_slow(group)
         self.out.append(self.submit(group, copy, node=node, soft=node is not None, placed=why))
 
     def _restart(self, group: Group, copy: int) -> None:
@@ -643,7 +639,7 @@ class State:
             cost = self.fuser.cost(key, self.estimate(key))
             if (
                 self.used
-                and self.used + cost > self.capacity
+                and self.used + cost > self.capacity - self.speculator.withheld()
                 and not self.speculator.preempt(cost, self.out)
             ):
                 return
