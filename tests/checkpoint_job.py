@@ -48,13 +48,21 @@ def ran(log: str) -> list[str]:
 
 
 def main() -> None:
+    """``STORE LOG OUT [MIN_COST|off [N [SECONDS]]]``: compute ``graph``'s total into OUT
+    (``.npy``), with checkpoints in STORE written from MIN_COST (default 0 s)."""
     import dask
 
     import raydag
 
-    store, log, out = sys.argv[1:4]
-    with dask.config.set({"raydag.checkpoint.store": store, "raydag.checkpoint.min-cost": "0s"}):
-        total = raydag.get(graph(log), "total")
+    store, log, out, *rest = sys.argv[1:]
+    min_cost = rest[0] if rest else "0s"
+    n = int(rest[1]) if len(rest) > 1 else 8
+    seconds = float(rest[2]) if len(rest) > 2 else 0.5
+    conf = {"raydag.checkpoint.store": store, "raydag.checkpoint.min-cost": min_cost}
+    if min_cost == "off":
+        conf = {"raydag.checkpoint.enabled": False}
+    with dask.config.set(conf):
+        total = raydag.get(graph(log, n, seconds), "total")
     np.save(out, total)
 
 

@@ -231,6 +231,31 @@ def test_names_change_with_the_task_its_inputs_and_raydag_version(monkeypatch):
     assert not set(names(graph("log")).values()) & set(base.values())
 
 
+def test_the_command_lists_and_cleans_a_store(tmp_path, capsys):
+    import time
+
+    from raydag.cli import main
+    from raydag.runtime.checkpoints import CheckpointStore
+
+    url = str(tmp_path / "store")
+    store = CheckpointStore(url)
+    store.open()
+    store.write("aaaa-1111", list(range(10)), {"key": "('x', 0)"})
+    store.write("bbbb-2222", "old", {"key": "'y'"})
+    (tmp_path / "store" / "cccc-3333.data").write_bytes(b"partial")  # no manifest
+    (tmp_path / "store" / "dddd-4444.data.tmp-1234").write_bytes(b"killed mid-write")
+    assert main(["checkpoints", "list", url]) == 0
+    listed = capsys.readouterr().out
+    assert "('x', 0)" in listed and "no manifest" in listed and "4 checkpoints" in listed
+    time.sleep(0.2)
+    store.write("aaaa-1111", list(range(10)), {"key": "('x', 0)"})  # fresh again
+    assert main(["checkpoints", "clean", url, "--older-than", "0.1s"]) == 0
+    assert "removed 3 checkpoints" in capsys.readouterr().out
+    assert set(store.listing()) == {"aaaa-1111"}
+    assert main(["checkpoints", "clean", url]) == 0
+    assert store.listing() == {}
+
+
 # ---- computes on Ray ----------------------------------------------------------------
 
 
@@ -294,7 +319,12 @@ def _compute(store, log, **settings):
 
     import raydag
 
-    conf = {"raydag.checkpoint.store": str(store), "raydag.checkpoint.min-cost": "0s"}
+    # no fusion: a value fused away never leaves its Ray task, so it is never written
+    conf = {
+        "raydag.checkpoint.store": str(store),
+        "raydag.checkpoint.min-cost": "0s",
+        "raydag.fusion.enabled": False,
+    }
     conf.update({f"raydag.checkpoint.{k}": v for k, v in settings.items()})
     with dask.config.set(conf):
         return raydag.get(graph(log, n=4, seconds=0.05), "total")
@@ -325,6 +355,7 @@ def test_a_corrupt_or_partial_checkpoint_is_ignored_with_a_warning(
     np.testing.assert_array_equal(result, expect)
     warned = [r.getMessage() for r in caplog.records if "checkpoint" in r.getMessage()]
     assert any("proc-0" in m and "hash" in m for m in warned), warned
+    assert any("2 partial checkpoints" in m for m in warned), warned
     # total and pair-0 recomputed; proc-0 too, from load-0 (read back)
     assert sorted(ran(log)) == ["pair-0", "proc-0", "total"], ran(log)
     assert list(store.iterdir()) == []  # removed at the end, the corrupt one too

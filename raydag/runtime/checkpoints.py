@@ -230,15 +230,17 @@ class CheckpointStore:
                     break
         return found
 
-    def find(self, names: Mapping[Key, str]) -> tuple[set, int]:
+    def find(self, names: Mapping[Key, str]) -> tuple[set, int, int]:
         """The keys whose checkpoints are in the store (a manifest and data, by name);
-        and how many files of these keys under other fingerprints (stale) it holds."""
+        how many checkpoints of these keys under other fingerprints (stale) it holds,
+        and how many of theirs are partial (no manifest: a write cut short)."""
         files = self.listing()
         found = {k for k, n in names.items() if {MANIFEST, DATA} <= set(files.get(n, ()))}
+        partial = sum(1 for n in names.values() if n in files and MANIFEST not in files[n])
         tokens = {n.split("-", 1)[0] for n in names.values()}
         ours = set(names.values())
         stale = sum(1 for n in files if n not in ours and n.split("-", 1)[0] in tokens)
-        return found, stale
+        return found, stale, partial
 
     def remove(self, names: Iterable[str]) -> int:
         """Remove these checkpoints (manifest first: never data read without it), and
@@ -309,7 +311,7 @@ def open_store(url: str | None, names: Mapping[Key, str], resume: bool) -> tuple
     if not resume:
         return store, set()
     try:
-        found, stale = store.find(names)
+        found, stale, partial = store.find(names)
     except Exception as e:
         logger.warning("raydag: cannot list the checkpoint store %s: %s", store.url, e)
         return store, set()
@@ -318,6 +320,13 @@ def open_store(url: str | None, names: Mapping[Key, str], resume: bool) -> tuple
             "raydag: ignoring %d checkpoint files in %s of this graph's keys but of other "
             "tasks or another raydag version (stale; `python -m raydag checkpoints clean`)",
             stale,
+            store.url,
+        )
+    if partial:
+        logger.warning(
+            "raydag: ignoring %d partial checkpoints in %s (no manifest: a write was cut "
+            "short); their results are computed",
+            partial,
             store.url,
         )
     if found:
