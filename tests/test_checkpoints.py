@@ -6,10 +6,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from test_state import finish, make, releases, submits
 
 from raydag.core.checkpoints import FOUND, WRITTEN, Checkpoints
 from raydag.core.events import (
+    Cancel,
     Checkpoint,
     CheckpointFailed,
     CheckpointIgnored,
@@ -18,7 +21,9 @@ from raydag.core.events import (
     DropCheckpoints,
     Recover,
     ResultsLost,
+    Submit,
     TaskErred,
+    TaskFinished,
 )
 
 ON = Checkpoints(enabled=True, min_cost=60.0, keep=False, max_size=None, resume=True)
@@ -413,3 +418,74 @@ def test_a_read_only_store_is_reported_once_and_the_compute_finishes(
     with caplog.at_level("WARNING", logger="raydag"):
         np.testing.assert_array_equal(_compute(blocker / "store", log), expect)
     assert [r.getMessage() for r in caplog.records if "checkpoint store" in r.getMessage()]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_runs_with_checkpoints_losses_and_bad_reads(data):
+    """Random graphs, random finishing order, checkpoints written or failing, values
+    lost, reads back failing; every state valid, every output made, nothing read back
+    that was not written whole."""
+    n = data.draw(st.integers(2, 14))
+    deps = {
+        f"k{i}": {f"k{j}" for j in data.draw(st.sets(st.integers(0, i - 1), max_size=3))}
+        if i
+        else set()
+        for i in range(n)
+    }
+    dependents = {k for v in deps.values() for k in v}
+    outputs = [k for k in deps if k not in dependents]
+    found = data.draw(st.sets(st.sampled_from(sorted(deps))))
+    settings_ = dataclasses.replace(ON, min_cost=data.draw(st.sampled_from([0.0, 1.5, 1e9])))
+    s = make(deps, outputs, checkpoints=settings_, checkpointed=found, capacity=2)
+    durable: set = set(found)  # what the store holds whole, as the model knows it
+    writing: set = set()
+    inflight: dict = {}
+
+    def apply(out: list) -> None:
+        for i in out:
+            if isinstance(i, Submit):
+                assert set(i.restore) <= durable, (i, durable)
+                for k in i.restore:
+                    assert not s.tasks[k].dependencies
+                    event("a value read back")
+                inflight[i.copy] = i
+            elif isinstance(i, Checkpoint):
+                assert i.key not in writing
+                writing.add(i.key)
+            elif isinstance(i, Cancel):
+                inflight.pop(i.copy, None)
+        s.validate_state()
+
+    apply(s.start())
+    for _ in range(400):
+        if s.done:
+            break
+        moves = ["finish"] * 4 + ["lose"] + (["write"] if writing else [])
+        move = data.draw(st.sampled_from(moves))
+        if move == "write":
+            k = data.draw(st.sampled_from(sorted(writing)))
+            writing.discard(k)
+            if data.draw(st.integers(0, 5)):
+                durable.add(k)
+                apply(s.handle(CheckpointWritten(k, 8)))
+            else:
+                apply(s.handle(CheckpointFailed(k, OSError("full"))))
+            continue
+        if move == "lose":
+            held = sorted(k for k, ts in s.tasks.items() if ts.state == "memory")
+            if held:
+                apply(s.handle(ResultsLost((data.draw(st.sampled_from(held)),), "gone")))
+            continue
+        assert inflight, "nothing in flight but not done"
+        copy = data.draw(st.sampled_from(sorted(inflight)))
+        sub = inflight.pop(copy)
+        if sub.restore and data.draw(st.integers(0, 4)) == 0:  # a bad checkpoint
+            bad = sub.restore[0]
+            durable.discard(bad)
+            event("a read back failed")
+            apply(s.handle(TaskErred(copy, bad, RuntimeError("corrupt"))))
+            continue
+        apply(s.handle(TaskFinished(copy, {k: 1.0 for k in sub.keys}, 8)))
+    assert s.done and not s.stopped
+    assert all(s.tasks[k].state == "memory" for k in outputs)
