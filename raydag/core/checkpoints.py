@@ -176,10 +176,12 @@ class Checkpointer:
             return
         own = sum(ev.durations.get(m, 0.0) for m in group.keys if not tasks[m].restore)
         upstream = sum(self._cost(tasks[d]) for d in group.inputs)
+        # the last values of a compute whose checkpoints go at its end: not worth writing
+        last = self.s.done and not self.settings.keep
         for k in group.kept:
             ts = tasks[k]
             ts.behind = 0.0 if ts.restore else own + upstream
-            if ts.state == MEMORY and ts.durable is None and self._worth(ts):
+            if not last and ts.state == MEMORY and ts.durable is None and self._worth(ts):
                 ts.durable = WRITING
                 self.written_bytes += ts.nbytes or 0
                 out.append(Checkpoint(k))

@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import ray.exceptions as rex
@@ -48,7 +48,6 @@ from raydag.core.events import (
 )
 from raydag.core.graph import Graph
 from raydag.core.state import State
-from raydag.runtime.checkpoints import Checkpointing
 from raydag.runtime.cluster import alive_nodes, idle_cpus
 from raydag.runtime.graveyard import all_ended, graveyard
 from raydag.runtime.inbox import cancel, inbox
@@ -61,6 +60,9 @@ from raydag.runtime.worker import (
     spare_worker,
     unpack_exception,
 )
+
+if TYPE_CHECKING:
+    from raydag.runtime.checkpoints import Checkpointing
 
 logger = logging.getLogger("raydag.runtime")
 Key = Hashable
