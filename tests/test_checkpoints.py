@@ -49,6 +49,23 @@ def run_chain(s, seconds: dict) -> dict:
 # ---- the policy, on the state machine alone ----------------------------------------
 
 
+def test_settings_defaults_are_the_yaml_and_from_config_reads_dask_config():
+    import dask
+
+    from raydag import config
+
+    defaults = Checkpoints()
+    assert defaults == Checkpoints.from_config()
+    assert not defaults.enabled and defaults.store is None  # auto, and no store
+    assert defaults.min_cost == config.default_seconds("checkpoint.min-cost")
+    assert defaults.max_size == 50 * 2**30 and defaults.keep is False and defaults.resume
+    with dask.config.set({"raydag.checkpoint.store": "/somewhere"}):
+        assert Checkpoints.from_config().enabled  # auto: on with a store
+    with dask.config.set({"raydag.checkpoint.enabled": True, "raydag.checkpoint.max-size": None}):
+        on = Checkpoints.from_config()
+        assert on.enabled and on.store is None and on.max_size is None
+
+
 def test_a_result_is_written_once_its_lineage_cost_reaches_min_cost():
     s = make(CHAIN, ["d"], checkpoints=ON)
     outs = run_chain(s, {"a": 50.0, "b": 20.0, "c": 1.0})

@@ -67,6 +67,11 @@ FOUND = "found"  # found in the store at the start (an earlier compute's)
 READABLE = (WRITTEN, FOUND)
 
 
+def _enabled(value: Any, store: str | None) -> bool:
+    """``auto``: on when a store is set."""
+    return store is not None if value == "auto" else bool(value)
+
+
 def _bytes(value: Any) -> int | None:
     from dask.utils import parse_bytes
 
@@ -77,7 +82,11 @@ def _bytes(value: Any) -> int | None:
 class Checkpoints:
     """Checkpoints' settings (``raydag.checkpoint.*``; defaults in raydag.yaml)."""
 
-    enabled: bool = False  # ``auto`` in raydag.yaml: on when a store is set
+    enabled: bool = field(
+        default_factory=lambda: _enabled(
+            config.default("checkpoint.enabled"), config.default("checkpoint.store")
+        )
+    )
     store: str | None = field(default_factory=lambda: config.default("checkpoint.store"))
     min_cost: float = field(default_factory=lambda: config.default_seconds("checkpoint.min-cost"))
     categories: frozenset = field(
@@ -92,11 +101,8 @@ class Checkpoints:
     @classmethod
     def from_config(cls) -> Checkpoints:
         store = config.get("checkpoint.store")
-        enabled = config.get("checkpoint.enabled")
-        if enabled == "auto":
-            enabled = store is not None
         return cls(
-            enabled=bool(enabled),
+            enabled=_enabled(config.get("checkpoint.enabled"), store),
             store=store,
             min_cost=config.seconds("checkpoint.min-cost"),
             categories=frozenset(config.get("checkpoint.categories") or ()),
