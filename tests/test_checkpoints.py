@@ -506,3 +506,30 @@ def test_random_runs_with_checkpoints_losses_and_bad_reads(data):
         apply(s.handle(TaskFinished(copy, {k: 1.0 for k in sub.keys}, 8)))
     assert s.done and not s.stopped
     assert all(s.tasks[k].state == "memory" for k in outputs)
+
+
+def test_a_node_death_reads_back_the_checkpointed_and_recomputes_the_rest():
+    from raydag.core.events import NodeDied
+
+    deps = {"a1": set(), "a2": set(), "b1": {"a1"}, "b2": {"a2"}, "c": {"b1", "b2"}}
+    marks = {"b1": True}
+    s = make(deps, ["c"], checkpoints=ON, checkpoint_marks=marks, nodes={"n1": 2, "n2": 2})
+    subs = submits(s.start())
+    while subs:
+        sub = subs.pop(0)
+        if sub.keys == ("c",):
+            break
+        node = "n1" if sub.root.startswith("b") else "n2"
+        out = s.handle(TaskFinished(sub.copy, {k: 1.0 for k in sub.keys}, 8, node))
+        s.validate_state()
+        for i in instructions(out, Checkpoint):
+            s.handle(CheckpointWritten(i.key, 8))
+        subs += submits(out)
+    assert s.tasks["b1"].durable == WRITTEN and s.tasks["b2"].durable is None
+    assert s.tasks["a1"].state == s.tasks["a2"].state == "released"
+    out = s.handle(NodeDied("n1", "killed"))
+    s.validate_state()
+    (wave,) = instructions(out, Recover)
+    assert set(wave.lost) == {"b1", "b2"} and set(wave.recompute) == {"b1", "b2", "a2"}
+    by_key = {x.keys: x for x in submits(out)}
+    assert by_key[("b1",)].restore == ("b1",) and ("a2",) in by_key and ("a1",) not in by_key
