@@ -136,10 +136,10 @@ def _checkpoints(graph: Graph) -> tuple[Checkpoints | None, Any, set]:
     from raydag.runtime import checkpoints
 
     names = checkpoints.names(graph.tasks, graph.dependencies)
-    store, found = checkpoints.open_store(settings.store, names, settings.resume)
+    store, found, partial = checkpoints.open_store(settings.store, names, settings.resume)
     if store is None:
         return None, None, set()
-    return settings, checkpoints.Checkpointing(store, names), found
+    return settings, checkpoints.Checkpointing(store, names, partial), found
 
 
 @contextlib.contextmanager

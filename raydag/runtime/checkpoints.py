@@ -230,13 +230,13 @@ class CheckpointStore:
                     break
         return found
 
-    def find(self, names: Mapping[Key, str]) -> tuple[set, int, int]:
+    def find(self, names: Mapping[Key, str]) -> tuple[set, int, list]:
         """The keys whose checkpoints are in the store (a manifest and data, by name);
         how many checkpoints of these keys under other fingerprints (stale) it holds,
         and how many of theirs are partial (no manifest: a write cut short)."""
         files = self.listing()
         found = {k for k, n in names.items() if {MANIFEST, DATA} <= set(files.get(n, ()))}
-        partial = sum(1 for n in names.values() if n in files and MANIFEST not in files[n])
+        partial = [n for n in names.values() if n in files and MANIFEST not in files[n]]
         tokens = {n.split("-", 1)[0] for n in names.values()}
         ours = set(names.values())
         stale = sum(1 for n in files if n not in ours and n.split("-", 1)[0] in tokens)
@@ -294,8 +294,9 @@ class ReadBack:
 
 
 def open_store(url: str | None, names: Mapping[Key, str], resume: bool) -> tuple:
-    """The store to write, and the keys of this graph it holds (``resume``). A store
-    that cannot be created is reported and no checkpoints are written (``None``)."""
+    """The store to write, the keys of this graph it holds (``resume``), and the names
+    of this graph's partial checkpoints in it (removed with the others at the end). A
+    store that cannot be created is reported and no checkpoints are written (``None``)."""
     store = CheckpointStore(url or default_store())
     try:
         store.open()
@@ -307,14 +308,14 @@ def open_store(url: str | None, names: Mapping[Key, str], resume: bool) -> tuple
             type(e).__name__,
             e,
         )
-        return None, set()
+        return None, set(), []
     if not resume:
-        return store, set()
+        return store, set(), []
     try:
         found, stale, partial = store.find(names)
     except Exception as e:
         logger.warning("raydag: cannot list the checkpoint store %s: %s", store.url, e)
-        return store, set()
+        return store, set(), []
     if stale:
         logger.warning(
             "raydag: ignoring %d checkpoint files in %s of this graph's keys but of other "
@@ -326,12 +327,12 @@ def open_store(url: str | None, names: Mapping[Key, str], resume: bool) -> tuple
         logger.warning(
             "raydag: ignoring %d partial checkpoints in %s (no manifest: a write was cut "
             "short); their results are computed",
-            partial,
+            len(partial),
             store.url,
         )
     if found:
         logger.info("raydag: %d results found in the checkpoint store %s", len(found), store.url)
-    return store, found
+    return store, found, partial
 
 
 class Checkpointing:
@@ -340,9 +341,12 @@ class Checkpointing:
 
     WAIT = 60.0  # at the end, for the writes still in flight
 
-    def __init__(self, store: CheckpointStore, names: Mapping[Key, str]) -> None:
+    def __init__(
+        self, store: CheckpointStore, names: Mapping[Key, str], partial: Iterable[str] = ()
+    ) -> None:
         self.store = store
         self.names = names
+        self.partial = list(partial)  # this graph's partial checkpoints found at the start
         self.writes: dict[ray.ObjectRef, Key] = {}  # by the write task's ref
 
     def write(self, key: Key, ref: ray.ObjectRef) -> None:
@@ -375,7 +379,7 @@ class Checkpointing:
     def drop(self, keys: Iterable[Key]) -> None:
         self.settle()
         try:
-            removed = self.store.remove(self.names[k] for k in keys)
+            removed = self.store.remove([*(self.names[k] for k in keys), *self.partial])
             logger.debug("raydag: removed %d checkpoint files from %s", removed, self.store.url)
         except Exception as e:  # a read-only store: reported when it failed a write
             logger.warning("raydag: cannot remove checkpoints from %s: %s", self.store.url, e)
