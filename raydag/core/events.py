@@ -52,6 +52,8 @@ class Submit:
     soft: bool = False
     placed: str = ""
     returns: tuple = ()
+    # Keys read back from their checkpoints instead of computed (raydag.core.checkpoints).
+    restore: tuple = ()
 
     @property
     def root(self) -> Key:
@@ -128,7 +130,52 @@ class Won:
     reason: str = ""
 
 
-Instruction = Submit | Release | Cancel | Fail | Recover | NodeTakenDead | Won
+# ---- checkpoints (raydag.core.checkpoints) --------------------------------------
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Write ``key``'s value (in memory) to the checkpoint store, beside its readers."""
+
+    key: Key
+
+
+@dataclass(frozen=True)
+class DropCheckpoints:
+    """The compute is done: remove these keys' checkpoints (written, being written or
+    found at the start), once the writes in flight have ended."""
+
+    keys: tuple
+
+
+@dataclass(frozen=True)
+class CheckpointsOff:
+    """No more checkpoints are written in this compute (the store failed a write)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class CheckpointIgnored:
+    """``key``'s checkpoint could not be read back: its value is computed instead."""
+
+    key: Key
+    reason: str
+
+
+Instruction = (
+    Submit
+    | Release
+    | Cancel
+    | Fail
+    | Recover
+    | NodeTakenDead
+    | Won
+    | Checkpoint
+    | DropCheckpoints
+    | CheckpointsOff
+    | CheckpointIgnored
+)
 
 
 # ---- events (Ray layer -> state machine) ----------------------------------------
@@ -231,6 +278,22 @@ class StoresSampled:
     idle: Mapping[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class CheckpointWritten:
+    """``key``'s checkpoint is written whole (``nbytes`` in the store)."""
+
+    key: Key
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class CheckpointFailed:
+    """Writing ``key``'s checkpoint failed with ``error`` (a read-only or full store)."""
+
+    key: Key
+    error: Any = None
+
+
 Event = (
     TaskFinished
     | TaskErred
@@ -242,4 +305,6 @@ Event = (
     | Aborted
     | Tick
     | StoresSampled
+    | CheckpointWritten
+    | CheckpointFailed
 )

@@ -96,9 +96,12 @@ class Fuser:
         return ta.resources == tb.resources and ta.retries == tb.retries
 
     def _fusable(self, key: Key) -> bool:
-        """No output, no given value, no bundle's map or piece: those keep their values."""
+        """No output, no given value, no bundle's map or piece, no key annotated
+        ``checkpoint=True``: those keep their values."""
         ts = self.s.tasks[key]
-        return not (ts.output or ts.given or self.s.bundler.member(key))
+        return not (
+            ts.output or ts.given or self.s.bundler.member(key) or self.s.checkpointer.forced(key)
+        )
 
     def chain(self, key: Key) -> tuple:
         """``key`` plus the cheap consumers it completes, and what else feeds only them.

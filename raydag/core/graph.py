@@ -34,7 +34,7 @@ class UnknownAnnotationWarning(UserWarning):
 # Annotations raydag acts on (``dask.annotate(resources=..., retries=...)``), and those
 # dask and distributed set or document that mean nothing on Ray: where and in which
 # order tasks run is raydag's to decide (docs/semantics.md).
-HANDLED_ANNOTATIONS = frozenset({"resources", "retries"})
+HANDLED_ANNOTATIONS = frozenset({"resources", "retries", "checkpoint"})
 FOREIGN_ANNOTATIONS = frozenset(
     {
         "priority",

@@ -45,6 +45,9 @@ class TaskState:
         "retries",
         "source",
         "inline",
+        "durable",
+        "behind",
+        "restore",
     )
 
     def __init__(self, key: Key, dependencies: frozenset, priority: int, category: str) -> None:
@@ -67,6 +70,12 @@ class TaskState:
         self.retries = 0  # dask.annotate(retries=...): tries after a user error
         self.source = False  # reads nothing but given values
         self.inline = False  # its value lives in the driver's memory: no death loses it
+        # checkpoints (raydag.core.checkpoints): its checkpoint's state (None: none),
+        # the seconds of work a loss of its value would redo, and whether it is read
+        # back from its checkpoint (its lineage cut) instead of computed
+        self.durable: str | None = None
+        self.behind = 0.0
+        self.restore = False
 
     def __repr__(self) -> str:
         return f"<TaskState {self.key!r} {self.state}>"

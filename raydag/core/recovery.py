@@ -139,11 +139,23 @@ class Recoverer:
         it), so every lost one is recomputed; so are the released inputs of those
         recomputations, transitively, and nothing else.
         """
+        tasks = self.s.tasks
+        lost = [k for k in dict.fromkeys(keys) if k in tasks and tasks[k].state == MEMORY]
+        if lost:
+            self._wave(lost, reason, out)
+
+    def rerun(
+        self, keys: Iterable[Key], reset: Iterable[Key], reason: str, out: list[Instruction]
+    ) -> None:
+        """Recompute ``keys`` (waiting again: reading their checkpoints failed) and the
+        released inputs they need, in one wave; ``reset``: the keys of their group."""
+        self._wave(list(keys), reason, out, reset)
+
+    def _wave(
+        self, lost: list, reason: str, out: list[Instruction], reset: Iterable[Key] = ()
+    ) -> None:
         s = self.s
         tasks = s.tasks
-        lost = [k for k in dict.fromkeys(keys) if k in tasks and tasks[k].state == MEMORY]
-        if not lost:
-            return
         lost_set = set(lost)
         recompute, held = self._lineage(lost)
         given = [k for k in recompute if tasks[k].fixed]  # a gone one among the inputs too
@@ -154,7 +166,7 @@ class Recoverer:
             )
             s.fail(given[0], err, out)
             return
-        reset: list = []
+        reset = list(reset)
         for g in list(s.groups.values()):
             if lost_set.intersection(g.inputs):
                 reset.extend(s.reset_group(g, out))
@@ -163,7 +175,9 @@ class Recoverer:
         for k in recompute:
             ts = tasks[k]
             ts.recovering = True
-            s.transition(ts, WAITING)
+            s.checkpointer.cut(ts)  # read back, if it can be: its lineage is not walked
+            if ts.state != WAITING:  # waiting already: its read back failed (``rerun``)
+                s.transition(ts, WAITING)
         reset.extend(self._unkept(recompute, out))
         self.wave += 1
         out.append(Recover(self.wave, tuple(lost), tuple(recompute), reason))
@@ -176,8 +190,10 @@ class Recoverer:
         """The lost values and the released inputs their recomputation reads,
         transitively; and the released given values it reads, to hold again (their
         owner still has them), unless gone (``State.gone``: of an earlier Ray session).
+        A value that can be read back from its checkpoint reads nothing.
         Changes nothing: the wave may yet fail (a value without lineage)."""
         tasks = self.s.tasks
+        reads = self.s.checkpointer.reads
         gone = self.s.gone
         lost_set = set(lost)
         recompute: list = []
@@ -190,7 +206,7 @@ class Recoverer:
                 continue
             seen.add(k)
             recompute.append(k)
-            for d in tasks[k].dependencies:
+            for d in reads(tasks[k]):
                 td = tasks[d]
                 if td.given and td.state == RELEASED and d not in gone:
                     held[d] = None

@@ -41,9 +41,12 @@ from typing import Any
 from dask.utils import key_split
 
 from raydag.core.bundles import Bundler
+from raydag.core.checkpoints import Checkpointer, Checkpoints
 from raydag.core.events import (
     Aborted,
     Cancel,
+    CheckpointFailed,
+    CheckpointWritten,
     CpusChanged,
     Event,
     Fail,
@@ -127,6 +130,9 @@ class State:
         inline_bytes: int = 0,
         inline_total: int = 0,
         gone: Iterable[Key] = (),
+        checkpoints: Checkpoints | None = None,
+        checkpointed: Iterable[Key] = (),
+        checkpoint_marks: Mapping[Key, Any] | None = None,
     ):
         self.tasks: dict[Key, TaskState] = {}
         cats: dict[str, str] = {}
@@ -187,6 +193,9 @@ class State:
         self.speculator = Speculator(self, speculation or Speculation(enabled=False))
         self.bundler = Bundler(self, bundles)
         self.recoverer = Recoverer(self, recovery or Recovery(ray_first=False))
+        self.checkpointer = Checkpointer(
+            self, checkpoints or Checkpoints(enabled=False), checkpointed, checkpoint_marks
+        )
         for name, seconds in (seed_runtimes or {}).items():
             self.speculator.seed(self.category(name), [float(x) for x in seconds])
 
@@ -201,6 +210,7 @@ class State:
             fixed=set(given) - graph.lineage,
             resources=graph.annotations.get("resources"),
             retries=graph.annotations.get("retries"),
+            checkpoint_marks=graph.annotations.get("checkpoint"),
             given_nodes={k: getattr(v, "node", None) for k, v in given.items()},
             **kwargs,
         )
@@ -232,8 +242,8 @@ class State:
             k = stack.pop()
             if k not in needed:
                 needed.add(k)
-                if not self.tasks[k].given:
-                    stack.extend(self.tasks[k].dependencies)
+                if not self.tasks[k].given:  # a key read back from its checkpoint: nothing
+                    stack.extend(self.checkpointer.at_start(self.tasks[k]))
         for ts in self.tasks.values():
             if ts.given:
                 ts.state = MEMORY
@@ -352,6 +362,7 @@ class State:
                 self.transition(ts, RELEASED)
             ts.recovering = False
         self._keep(group, ev)
+        self.checkpointer.finished(group, ev, self.out)
         if ev.node is not None and not self.is_alive(ev.node):
             # reported after its node's death: what it kept in that node's store is gone
             self.recoverer.lose(group.kept, f"made on {ev.node[:12]}, which died", self.out)
@@ -363,7 +374,7 @@ class State:
         alone = len(group.keys) == 1 + len(group.consumers)
         node = ev.node if alone else None
         for m, seconds in ev.durations.items():
-            if m in group.members:
+            if m in group.members and not self.tasks[m].restore:  # a read back: no runtime
                 cat = self.category(self.tasks[m].category)
                 cat.count += 1
                 cat.total += seconds
@@ -406,6 +417,8 @@ class State:
         group = self.copies.get(ev.copy)
         if group is None:
             self.stale = True
+            return
+        if self.checkpointer.read_failed(group, ev, self.out):
             return
         if len(group.copies) > 1:
             if ev.node_died or ev.worker_died:  # another copy carries on: no restart
@@ -476,10 +489,18 @@ class State:
     def _on_stores_sampled(self, ev: StoresSampled) -> None:
         self.placer.sampled(dict(ev.stores), dict(ev.idle))
 
+    def _on_checkpoint_written(self, ev: CheckpointWritten) -> None:
+        self.checkpointer.written(ev)
+
+    def _on_checkpoint_failed(self, ev: CheckpointFailed) -> None:
+        self.checkpointer.write_failed(ev, self.out)
+
     def _settle(self, event: Event) -> None:
-        """What every event ends with: start ready work, then duplicate on idle CPUs."""
+        """What every event ends with: start ready work, then duplicate on idle CPUs;
+        once done, the checkpoints go."""
         self._fill()
         self.speculator.after(event, self.out)
+        self.checkpointer.settled(self.out)
 
     # ---- transitions ----------------------------------------------------------------
 
@@ -570,6 +591,7 @@ class State:
             soft=soft,
             placed=placed,
             returns=group.returns,
+            restore=tuple(k for k in group.keys if self.tasks[k].restore),
         )
 
     def _first_copy(self, group: Group) -> None:
@@ -727,6 +749,7 @@ class State:
             assert all(tasks[m].group == g.id for m in g.members), g
         self.speculator.validate()
         self.placer.validate()
+        self.checkpointer.validate()
         if not stopped:
             self.bundler.validate()
 
@@ -787,4 +810,6 @@ _HANDLERS: dict[type, Callable[[State, Any], None]] = {
     Aborted: State._on_aborted,
     Tick: State._on_tick,
     StoresSampled: State._on_stores_sampled,
+    CheckpointWritten: State._on_checkpoint_written,
+    CheckpointFailed: State._on_checkpoint_failed,
 }

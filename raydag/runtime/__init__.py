@@ -20,6 +20,7 @@ from dask.callbacks import local_callbacks
 
 from raydag import config
 from raydag.core import bundles
+from raydag.core.checkpoints import Checkpoints
 from raydag.core.events import Event, Instruction
 from raydag.core.fusion import Fusion
 from raydag.core.graph import HANDLED_ANNOTATIONS, Graph, UnknownAnnotationWarning
@@ -82,6 +83,7 @@ def run(
     nodes = alive_nodes()
     per_cpu = float(config.get("scheduling.in-flight-per-cpu"))
     speculation = Speculation.from_config()
+    checkpoints, checkpointing, found = _checkpoints(graph)
     state = State.from_graph(
         graph,
         bundles=bundles.find(graph.tasks, graph.dependents),
@@ -98,6 +100,8 @@ def run(
         inline_bytes=INLINE_BYTES,
         inline_total=INLINE_TOTAL,
         gone=gone(graph.external),
+        checkpoints=checkpoints,
+        checkpointed=found,
     )
     with (
         local_callbacks(callbacks) as cbs,
@@ -105,7 +109,7 @@ def run(
     ):
         started = []
         failed = True
-        runner = Runner(graph, state, nodes, cbs, observers, sampler)
+        runner = Runner(graph, state, nodes, cbs, observers, sampler, checkpointing)
         try:
             for cb in cbs:
                 if cb[0]:
@@ -121,6 +125,21 @@ def run(
             for cb in started:
                 if cb[4]:
                     cb[4](graph.tasks, runner.dask_state or {}, failed)
+
+
+def _checkpoints(graph: Graph) -> tuple[Checkpoints | None, Any, set]:
+    """Checkpoints' settings, the store (``None``: off, or it cannot be used) and the
+    keys of this graph it holds."""
+    settings = Checkpoints.from_config()
+    if not settings.enabled:
+        return None, None, set()
+    from raydag.runtime import checkpoints
+
+    names = checkpoints.names(graph.tasks, graph.dependencies)
+    store, found, partial = checkpoints.open_store(settings.store, names, settings.resume)
+    if store is None:
+        return None, None, set()
+    return settings, checkpoints.Checkpointing(store, names, partial), found
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import ray.exceptions as rex
@@ -25,7 +25,11 @@ from raydag.compat import node_affinity
 from raydag.core.events import (
     Aborted,
     Cancel,
+    Checkpoint,
+    CheckpointIgnored,
+    CheckpointsOff,
     CpusChanged,
+    DropCheckpoints,
     Event,
     Fail,
     InputLost,
@@ -58,6 +62,9 @@ from raydag.runtime.worker import (
     warn_again,
 )
 
+if TYPE_CHECKING:
+    from raydag.runtime.checkpoints import Checkpointing
+
 logger = logging.getLogger("raydag.runtime")
 Key = Hashable
 
@@ -80,6 +87,7 @@ class Runner:
         callbacks: Any = (),
         observers: Sequence[Callable[[Event | None, list[Instruction]], None]] = (),
         sampler: StoreSampler | None = None,
+        checkpoints: Checkpointing | None = None,
     ):
         self.graph = graph
         self.state = state
@@ -104,6 +112,7 @@ class Runner:
         self._drain: ray.ObjectRef | None = None
         _, _, self.pretask, self.posttask, _ = unpack_callbacks(callbacks)
         self.dask_state = _dask_state(graph) if callbacks else None
+        self.checkpoints = checkpoints  # the writes in flight, the reads back
 
     def run(self) -> dict[Key, tuple[ray.ObjectRef, str | None]]:
         """Run to the end; return the outputs' refs and nodes (the caller owns them now)."""
@@ -121,6 +130,8 @@ class Runner:
             if self.failure is not None:
                 exc = self.failure.error
                 raise exc.with_traceback(exc.__traceback__)
+            if self.checkpoints is not None:
+                self.checkpoints.settle()
             tasks = self.state.tasks
             return {k: (self._ref(k), tasks[k].node) for k in self.graph.outputs}
         except BaseException:
@@ -141,9 +152,14 @@ class Runner:
         the frames it passed through, with their locals, for as long as it lives."""
         # the inbox's drain too: a start note wakes the loop (see ``Inbox``)
         refs = [*self.pending, *([self._drain] if self._drain is not None else [])]
+        writes = self.checkpoints.writes if self.checkpoints is not None else {}
+        refs += writes
         for ref in all_ended(refs, timeout=self.poll):
             if self._drain is not None and ref == self._drain:
                 self._take_notes(wait=0)
+                continue
+            if ref in writes:  # a checkpoint written, or not
+                self._step(self.checkpoints.ended(ref))  # type: ignore[union-attr]
                 continue
             if ref not in self.pending:  # cancelled while handling an earlier one
                 continue
@@ -378,6 +394,16 @@ class Runner:
                     ins.reason,
                     ins.saved,
                 )
+            elif cls is Checkpoint:
+                self.checkpoints.write(ins.key, self.values[ins.key])  # type: ignore[union-attr]
+            elif cls is DropCheckpoints:
+                self.checkpoints.drop(ins.keys)  # type: ignore[union-attr]
+            elif cls is CheckpointsOff:
+                logger.warning("raydag: checkpoints off: %s", ins.reason)
+            elif cls is CheckpointIgnored:
+                logger.warning(
+                    "raydag: ignoring the checkpoint of %r (%s); computing it", ins.key, ins.reason
+                )
             elif cls is NodeTakenDead:
                 logger.warning("raydag: taking node %s for dead: %s", ins.node[:12], ins.reason)
             elif cls is Recover:
@@ -430,6 +456,10 @@ class Runner:
                 self._inbox = inbox()
             notify = (self._inbox, self.run_id, sub.copy)
         nodes = [self.graph.tasks[k] for k in sub.keys]
+        if sub.restore:  # read back from their checkpoints, not computed
+            nodes = [
+                self.checkpoints.read_back(n.key) if n.key in sub.restore else n for n in nodes
+            ]  # type: ignore[union-attr]
         refs = [self._ref(k) for k in sub.inputs]
         kw = {"returns": sub.returns} if sub.returns else {}
         *value_refs, meta_ref = fn.remote(nodes, sub.inputs, notify, *refs, **kw)

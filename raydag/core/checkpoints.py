@@ -1,0 +1,266 @@
+"""Checkpoints: which results are written durably, and reading them back instead of
+recomputing them.
+
+Everything a compute holds lives in Ray's object store, which a dead node empties in
+part and a dead driver empties whole. A checkpoint is a result written to a store that
+outlives both (a directory, a shared filesystem, an object store: any fsspec URL, see
+``raydag.runtime.checkpoints``). This part decides, as instructions:
+
+- **what is written**: a kept value whose loss would be expensive to make good, i.e.
+  whose *lineage cost* (``TaskState.behind``) reaches ``min_cost``: the seconds its own
+  group ran, plus the lineage costs of the inputs it read that are neither given nor
+  checkpointed (what a loss would rerun once they are released; an upper bound, a
+  shared ancestor counted once per path). A checkpointed value's cost is 0: a loss
+  below it stops there. ``dask.annotate(checkpoint=True)`` forces a key,
+  ``checkpoint=False`` forbids it; ``categories`` forces whole categories. Nothing
+  more is written once ``max_size`` bytes were, or once a write failed (``CheckpointsOff``:
+  a read-only or full store is reported once and the compute goes on without).
+- **how**: ``Checkpoint(key)`` once the value is in memory; the Ray layer writes it in a
+  small Ray task of its own that reads the object, so the value's readers never wait for
+  the write and a failed write fails no task. The write reports ``CheckpointWritten`` or
+  ``CheckpointFailed``.
+- **reading back**: a key with a whole checkpoint (written here, or found in the store
+  at the start: ``checkpointed``) that must be made again is *cut*: it reads nothing,
+  its lineage is not walked, and its group's ``Submit.restore`` tells the Ray layer to
+  read it instead of running it. At the start (resume), the outputs' lineage is walked
+  down to the first checkpointed keys; in a recovery wave, the same (``Recoverer``).
+  A checkpoint that cannot be read back (corrupt, gone) is forgotten
+  (``CheckpointIgnored``), the key's lineage restored and recomputed in one wave.
+- **hygiene**: once the compute is done, ``DropCheckpoints`` (unless ``keep``).
+
+Worked example: ``a -> b -> c`` (output ``c``), ``min_cost=60``; ``a`` runs 50 s,
+``b`` 20 s. ``a`` finishes: behind 50 s, not written. ``b`` finishes: behind 20 + 50 =
+70 s: ``Checkpoint("b")``; ``a`` is released. The driver is killed while ``c`` runs.
+The rerun is told ``checkpointed={"b"}``: ``start()`` cuts ``b`` (it reads nothing),
+``a`` is not needed and stays released; ``b`` is submitted with ``restore=("b",)``,
+then ``c`` runs. Done: ``DropCheckpoints(("b",))``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from raydag import config
+from raydag.core.events import (
+    Checkpoint,
+    CheckpointFailed,
+    CheckpointIgnored,
+    CheckpointsOff,
+    CheckpointWritten,
+    DropCheckpoints,
+)
+from raydag.core.records import MEMORY, WAITING
+
+if TYPE_CHECKING:
+    from raydag.core.events import Instruction, TaskErred, TaskFinished
+    from raydag.core.records import Group, TaskState
+    from raydag.core.state import State
+
+Key = Hashable
+
+# TaskState.durable
+WRITING = "writing"  # a write is in flight
+WRITTEN = "written"  # written whole in this compute
+FOUND = "found"  # found in the store at the start (an earlier compute's)
+READABLE = (WRITTEN, FOUND)
+
+
+def _enabled(value: Any, store: str | None) -> bool:
+    """``auto``: on when a store is set."""
+    return store is not None if value == "auto" else bool(value)
+
+
+def _bytes(value: Any) -> int | None:
+    from dask.utils import parse_bytes
+
+    return None if value is None else int(parse_bytes(value))
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """Checkpoints' settings (``raydag.checkpoint.*``; defaults in raydag.yaml)."""
+
+    enabled: bool = field(
+        default_factory=lambda: _enabled(
+            config.default("checkpoint.enabled"), config.default("checkpoint.store")
+        )
+    )
+    store: str | None = field(default_factory=lambda: config.default("checkpoint.store"))
+    min_cost: float = field(default_factory=lambda: config.default_seconds("checkpoint.min-cost"))
+    categories: frozenset = field(
+        default_factory=lambda: frozenset(config.default("checkpoint.categories") or ())
+    )
+    keep: bool = field(default_factory=lambda: config.default("checkpoint.keep"))
+    max_size: int | None = field(
+        default_factory=lambda: _bytes(config.default("checkpoint.max-size"))
+    )
+    resume: bool = field(default_factory=lambda: config.default("checkpoint.resume"))
+
+    @classmethod
+    def from_config(cls) -> Checkpoints:
+        store = config.get("checkpoint.store")
+        return cls(
+            enabled=_enabled(config.get("checkpoint.enabled"), store),
+            store=store,
+            min_cost=config.seconds("checkpoint.min-cost"),
+            categories=frozenset(config.get("checkpoint.categories") or ()),
+            keep=bool(config.get("checkpoint.keep")),
+            max_size=_bytes(config.get("checkpoint.max-size")),
+            resume=bool(config.get("checkpoint.resume")),
+        )
+
+
+class Checkpointer:
+    """The state machine's checkpoint part."""
+
+    def __init__(
+        self,
+        state: State,
+        settings: Checkpoints,
+        found: Iterable[Key] = (),
+        marks: Mapping[Key, Any] | None = None,
+    ) -> None:
+        self.s = state
+        self.settings = settings
+        self.enabled = settings.enabled
+        self.off = False  # a write failed: no more in this compute
+        self.written_bytes = 0  # written, and being written (their sizes as measured)
+        self.dropped = False
+        # a cut key's own dependencies and source flag, to restore if its read fails
+        self.lineage: dict[Key, tuple[frozenset, bool]] = {}
+        self.marks = {k: bool(v) for k, v in (marks or {}).items() if k in state.tasks}
+        if self.enabled and settings.resume:
+            for k in found:
+                ts = state.tasks.get(k)
+                if ts is not None and not ts.given:
+                    ts.durable = FOUND
+
+    # ---- queries --------------------------------------------------------------------
+
+    def forced(self, key: Key) -> bool:
+        """Annotated ``checkpoint=True``: its value must leave its Ray task (no fusing)."""
+        return self.enabled and self.marks.get(key, False)
+
+    def readable(self, ts: TaskState) -> bool:
+        return ts.durable in READABLE and not ts.given
+
+    def reads(self, ts: TaskState) -> frozenset:
+        """What making ``ts`` again reads: nothing if it can be read back."""
+        return frozenset() if self.readable(ts) else ts.dependencies
+
+    # ---- cutting lineage -------------------------------------------------------------
+
+    def cut(self, ts: TaskState) -> None:
+        """``ts`` is read back from its checkpoint when it runs: it reads nothing."""
+        if ts.restore or not self.readable(ts):
+            return
+        tasks = self.s.tasks
+        self.lineage[ts.key] = (ts.dependencies, ts.source)
+        for d in ts.dependencies:
+            tasks[d].dependents.discard(ts.key)
+        ts.dependencies = frozenset()
+        ts.source = True
+        ts.restore = True
+
+    def _uncut(self, ts: TaskState) -> None:
+        deps, source = self.lineage.pop(ts.key)
+        for d in deps:
+            self.s.tasks[d].dependents.add(ts.key)
+        ts.dependencies = deps
+        ts.source = source
+        ts.restore = False
+
+    # ---- hooks -----------------------------------------------------------------------
+
+    def finished(self, group: Group, ev: TaskFinished, out: list[Instruction]) -> None:
+        """A group's kept values are in memory: learn their lineage costs, write those
+        worth it."""
+        tasks = self.s.tasks
+        if not self.enabled:
+            return
+        own = sum(ev.durations.get(m, 0.0) for m in group.keys if not tasks[m].restore)
+        upstream = sum(self._cost(tasks[d]) for d in group.inputs)
+        # the last values of a compute whose checkpoints go at its end: not worth writing
+        last = self.s.done and not self.settings.keep
+        for k in group.kept:
+            ts = tasks[k]
+            ts.behind = 0.0 if ts.restore else own + upstream
+            if not last and ts.state == MEMORY and ts.durable is None and self._worth(ts):
+                ts.durable = WRITING
+                self.written_bytes += ts.nbytes or 0
+                out.append(Checkpoint(k))
+
+    def _cost(self, ts: TaskState) -> float:
+        return 0.0 if ts.given or ts.durable is not None else ts.behind
+
+    def _worth(self, ts: TaskState) -> bool:
+        st = self.settings
+        if self.off or ts.given or ts.restore:
+            return False
+        mark = self.marks.get(ts.key)
+        if mark is False:
+            return False
+        if st.max_size is not None and self.written_bytes + (ts.nbytes or 0) > st.max_size:
+            return False
+        return bool(mark) or ts.category in st.categories or ts.behind >= st.min_cost
+
+    def written(self, ev: CheckpointWritten) -> None:
+        ts = self.s.tasks.get(ev.key)
+        if ts is not None and ts.durable == WRITING:
+            ts.durable = WRITTEN
+
+    def write_failed(self, ev: CheckpointFailed, out: list[Instruction]) -> None:
+        ts = self.s.tasks.get(ev.key)
+        if ts is not None and ts.durable == WRITING:
+            ts.durable = None
+            self.written_bytes -= ts.nbytes or 0
+        if not self.off:
+            self.off = True
+            out.append(
+                CheckpointsOff(
+                    f"writing the checkpoint of {ev.key!r} failed "
+                    f"({type(ev.error).__name__}: {ev.error}); the compute goes on without"
+                )
+            )
+
+    def at_start(self, ts: TaskState) -> frozenset:
+        """What the start walk follows below ``ts``: nothing if it is read back."""
+        self.cut(ts)
+        return ts.dependencies
+
+    def read_failed(self, group: Group, ev: TaskErred, out: list[Instruction]) -> bool:
+        """A read back failed (a corrupt or vanished checkpoint): forget it, restore the
+        key's lineage and recompute it in one wave. False: not a read's failure."""
+        tasks = self.s.tasks
+        ts = tasks.get(ev.key)
+        if ts is None or not ts.restore or ev.node_died or ev.worker_died:
+            return False
+        reason = f"{type(ev.error).__name__}: {ev.error}"
+        reset = self.s.reset_group(group, out)
+        ts.durable = None
+        self._uncut(ts)
+        out.append(CheckpointIgnored(ev.key, reason))
+        self.s.recoverer.rerun([ev.key], reset, f"checkpoint of {ev.key!r} unreadable", out)
+        return True
+
+    def settled(self, out: list[Instruction]) -> None:
+        """Once the compute is done, its checkpoints go (unless kept)."""
+        s = self.s
+        if not self.enabled or self.dropped or s.stopped or not s.done:
+            return
+        self.dropped = True
+        if self.settings.keep:
+            return
+        keys = tuple(k for k, ts in s.tasks.items() if ts.durable is not None)
+        if keys:
+            out.append(DropCheckpoints(keys))
+
+    def validate(self) -> None:
+        for k, ts in self.s.tasks.items():
+            assert ts.restore == (k in self.lineage), k
+            if ts.restore:
+                assert ts.durable in READABLE and not ts.dependencies, k
+            if ts.state == WAITING and ts.restore:
+                raise AssertionError(f"{k!r}: read back, yet waiting")

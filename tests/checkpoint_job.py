@@ -1,0 +1,74 @@
+"""A compute for the checkpoint tests, run in-process or as a driver of its own
+(``python -c "import checkpoint_job; checkpoint_job.main()" STORE LOG OUT``), which a test
+kills with SIGKILL and runs again.
+
+Each task appends its key to a log file (one line, ``O_APPEND``), so a test counts the
+tasks each run ran.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def step(log: str, seconds: float, label: str, *inputs: np.ndarray) -> np.ndarray:
+    """Sleep, log ``label`` (its key, ``#``-prefixed: not a key itself), make an array."""
+    key = label.lstrip("#")
+    time.sleep(seconds)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, f"{key}\n".encode())
+    finally:
+        os.close(fd)
+    base = np.arange(20_000, dtype="f8") + len(key)
+    return base + sum(float(x.sum()) % 97 for x in inputs) if inputs else base
+
+
+def graph(log: str, n: int = 8, seconds: float = 0.5) -> dict:
+    """``n`` loads, a process of each, pairs summed, a total."""
+    dsk: dict = {}
+    for i in range(n):
+        dsk[f"load-{i}"] = (step, log, seconds, f"#load-{i}")
+        dsk[f"proc-{i}"] = (step, log, seconds, f"#proc-{i}", f"load-{i}")
+    for i in range(0, n, 2):
+        dsk[f"pair-{i}"] = (step, log, 0.05, f"#pair-{i}", f"proc-{i}", f"proc-{i + 1}")
+    dsk["total"] = (step, log, 0.05, "#total", *(f"pair-{i}" for i in range(0, n, 2)))
+    return dsk
+
+
+def ran(log: str) -> list[str]:
+    if not os.path.exists(log):
+        return []
+    with open(log) as f:
+        return f.read().split()
+
+
+def main() -> None:
+    """``STORE LOG OUT [MIN_COST|off [N [SECONDS]]]``: compute ``graph``'s total into OUT
+    (``.npy``), with checkpoints in STORE written from MIN_COST (default 0 s)."""
+    import dask
+
+    import raydag
+
+    store, log, out, *rest = sys.argv[1:]
+    min_cost = rest[0] if rest else "0s"
+    n = int(rest[1]) if len(rest) > 1 else 8
+    seconds = float(rest[2]) if len(rest) > 2 else 0.5
+    conf = {"raydag.checkpoint.store": store, "raydag.checkpoint.min-cost": min_cost}
+    if min_cost == "off":
+        conf = {"raydag.checkpoint.enabled": False}
+    raydag.connect()
+    t0 = time.perf_counter()
+    with dask.config.set(conf):
+        total = raydag.get(graph(log, n, seconds), "total")
+    np.save(out, total)
+    with open(f"{out}.seconds", "w") as f:  # the compute's own time, for bench/checkpoint.py
+        f.write(str(time.perf_counter() - t0))
+
+
+if __name__ == "__main__":
+    main()
