@@ -96,15 +96,17 @@ class Runtimes:
 
     KEEP = 1000
 
-    __slots__ = ("count", "total", "samples", "_next")
+    __slots__ = ("count", "total", "samples", "_next", "_sorted")
 
     def __init__(self) -> None:
         self.count = 0
         self.total = 0.0
         self.samples: list[float] = []
         self._next = 0
+        self._sorted: list[float] | None = None  # the samples sorted, until the next add
 
     def add(self, seconds: float) -> None:
+        self._sorted = None
         self.count += 1
         self.total += seconds
         if len(self.samples) < self.KEEP:
@@ -119,14 +121,16 @@ class Runtimes:
 
     def quantile(self, q: float) -> float:
         """Nearest-rank quantile of the kept samples."""
-        s = sorted(self.samples)
+        s = self._sorted
+        if s is None:  # asked for every copy in flight, per event: sorted once
+            s = self._sorted = sorted(self.samples)
         return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 class Category:
     """What is learned of one category (``key_split`` of its keys) as its tasks finish."""
 
-    __slots__ = ("name", "count", "total", "runtimes", "made", "made_bytes", "long")
+    __slots__ = ("name", "count", "total", "runtimes", "made", "made_bytes", "long", "processing")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -139,6 +143,7 @@ class Category:
         self.made = 0
         self.made_bytes = 0
         self.long = False  # known long: its ready tasks also wait in the long heap
+        self.processing = 0  # its keys in groups in flight (fusion probes one at a time)
 
     @property
     def mean(self) -> float | None:

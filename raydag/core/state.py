@@ -35,6 +35,7 @@ is ignored, since no group owns its id any more.
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
@@ -493,6 +494,8 @@ class State:
         fn = TRANSITIONS.get((ts.state, new))
         if fn is None:
             raise InvalidTransition(f"{ts.key!r}: {ts.state} -> {new}")
+        if ts.state == PROCESSING:
+            self.categories[ts.category].processing -= 1
         fn(self, ts)
 
     def _to_ready(self, ts: TaskState) -> None:
@@ -510,6 +513,7 @@ class State:
 
     def _to_processing(self, ts: TaskState) -> None:
         ts.state = PROCESSING
+        self.category(ts.category).processing += 1
 
     def _to_memory(self, ts: TaskState) -> None:
         ts.state = MEMORY
@@ -718,6 +722,10 @@ class State:
         for n in self.nodes.values():
             expect = {k for k in n.held if tasks[k].state == MEMORY and tasks[k].node == n.id}
             assert n.held == expect, (n.id, n.held - expect)
+        if not stopped:
+            processing = Counter(ts.category for ts in tasks.values() if ts.state == PROCESSING)
+            for cat in self.categories.values():
+                assert cat.processing == processing[cat.name], (cat.name, cat.processing)
         grouped = {k for k, ts in tasks.items() if ts.group is not None}
         assert grouped == {m for g in self.groups.values() for m in g.members}, grouped
         assert set(self.copies) == {c for g in self.groups.values() for c in g.copies}
