@@ -209,7 +209,9 @@ class Fuser:
         if not cheap and (lead is None or total > lead * CONSUMERS_SHARE):
             return ()
         if probes:  # a category is measured by one task at a time
-            running = [*keys, *(k for g in self.s.groups.values() for k in g.keys)]
-            if any(tasks[k].category in probes for k in running):
+            cats = self.s.categories
+            if any(tasks[k].category in probes for k in keys) or any(
+                cats[c].processing for c in probes if c in cats
+            ):
                 return ()
         return tuple(sorted(pending, key=self.s.priority))

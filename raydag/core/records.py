@@ -107,15 +107,17 @@ class Runtimes:
 
     KEEP = 1000
 
-    __slots__ = ("count", "total", "samples", "_next")
+    __slots__ = ("count", "total", "samples", "_next", "_sorted")
 
     def __init__(self) -> None:
         self.count = 0
         self.total = 0.0
         self.samples: list[float] = []
         self._next = 0
+        self._sorted: list[float] | None = None  # the samples sorted, until the next add
 
     def add(self, seconds: float) -> None:
+        self._sorted = None
         self.count += 1
         self.total += seconds
         if len(self.samples) < self.KEEP:
@@ -130,14 +132,19 @@ class Runtimes:
 
     def quantile(self, q: float) -> float:
         """Nearest-rank quantile of the kept samples."""
-        s = sorted(self.samples)
+        s = self._sorted
+        if s is None:  # asked for every copy in flight, per event: sorted once
+            s = self._sorted = sorted(self.samples)
         return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 class Category:
     """What is learned of one category (``key_split`` of its keys) as its tasks finish."""
 
-    __slots__ = ("name", "count", "total", "runtimes", "made", "made_bytes", "long", "runs_on")
+    __slots__ = (
+        "name", "count", "total", "runtimes", "made", "made_bytes", "long", "runs_on",
+        "processing",
+    )  # fmt: skip
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -153,6 +160,7 @@ class Category:
         # speculation's: per node (``None``: seeded from an earlier run), its latest lone
         # runs as (seconds, finished); a run not finished (a loser) lasted at least that
         self.runs_on: dict[str | None, list[tuple[float, bool]]] = {}
+        self.processing = 0  # its keys in groups in flight (fusion probes one at a time)
 
     @property
     def mean(self) -> float | None:
