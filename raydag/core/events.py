@@ -52,6 +52,9 @@ class Submit:
     soft: bool = False
     placed: str = ""
     returns: tuple = ()
+    # Ray task options besides resources (``ray_remote_args``: ``scheduling_strategy``,
+    # ``runtime_env``, ...), for ``.options()`` as given; one object per distinct dict.
+    remote_args: Mapping[str, Any] | None = None
 
     @property
     def root(self) -> Key:

@@ -262,7 +262,8 @@ class Speculator:
             return None, ""
         node, free = self.steer
         cpus = self.s.cpus(group)
-        if cpus <= free and set(self.s.tasks[group.keys[-1]].resources or ()) <= {"CPU"}:
+        root = self.s.tasks[group.keys[-1]]
+        if cpus <= free and set(root.resources or ()) <= {"CPU"} and not root.pinned:
             self.steer = (node, free - cpus) if free > cpus else None
             return node, "a duplicate won there (its losers' workers are stopped)"
         return None, ""
@@ -271,8 +272,9 @@ class Speculator:
         """Only a lone task that needs nothing but CPUs, of a category not known cheap."""
         lead = group.lead
         alone = len(group.keys) == 1 + len(group.consumers)  # consumers may come along
-        r = self.s.tasks[lead].resources
-        return alone and not self.s.fuser.cheap(lead) and set(r or ()) <= {"CPU"}
+        ts = self.s.tasks[lead]
+        plain = set(ts.resources or ()) <= {"CPU"} and not ts.pinned  # may run anywhere
+        return alone and not self.s.fuser.cheap(lead) and plain
 
     def preempt(self, cost: float, out: list[Instruction]) -> bool:
         """Cancel duplicates, youngest first, if that lets a first copy of ``cost`` run.

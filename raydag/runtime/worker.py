@@ -27,6 +27,8 @@ import ray
 import ray.cloudpickle
 from dask.sizeof import sizeof
 
+from raydag.compat import DataNode
+
 
 @dataclass
 class Outcome:
@@ -43,15 +45,22 @@ class Outcome:
 
 
 def run_group(
-    nodes: list, input_keys: tuple, notify: Any, *inputs: Any, returns: tuple = ()
+    nodes: list,
+    input_keys: tuple,
+    notify: Any,
+    *inputs: Any,
+    returns: tuple = (),
+    hooks: tuple = (),
 ) -> tuple[Any, ...]:
     """Run fused dask tasks in order; return the kept values, then an Outcome.
 
     ``returns``: the keys whose values to keep, each its own Ray object (a shuffle's
     pieces: the Ray task has ``len(returns) + 1`` returns); empty: the last key's.
     ``notify``: ``(inbox, run, tag)`` to say where and when it started (see ``_Inbox``).
+    ``hooks``: ``(pretask, posttask)`` pairs of Ray's ``RayDaskCallback``s, called
+    around each dask task (``raydag.runtime.ray_hooks``); an error in one is the task's.
     """
-    values, outcome = _run_nodes(nodes, input_keys, notify, inputs)
+    values, outcome = _run_nodes(nodes, input_keys, notify, inputs, hooks)
     kept = returns or (nodes[-1].key,)
     if outcome.error is not None:
         return (*[None] * len(kept), outcome)
@@ -61,7 +70,9 @@ def run_group(
     return (*results, outcome)
 
 
-def _run_nodes(nodes: list, input_keys: tuple, notify: Any, inputs: tuple) -> tuple[dict, Outcome]:
+def _run_nodes(
+    nodes: list, input_keys: tuple, notify: Any, inputs: tuple, hooks: tuple = ()
+) -> tuple[dict, Outcome]:
     started = time.time()
     if notify is not None:
         inbox, run, tag = notify
@@ -71,9 +82,16 @@ def _run_nodes(nodes: list, input_keys: tuple, notify: Any, inputs: tuple) -> tu
     node = None
     try:
         for node in nodes:
+            if hooks and not isinstance(node, DataNode):
+                args = tuple(values[d] for d in node.dependencies)
+                states = [pre(node.key, args) if pre else None for pre, _ in hooks]
             t0 = time.perf_counter()
             values[node.key] = node(values)
             durations.append(time.perf_counter() - t0)
+            if hooks and not isinstance(node, DataNode):
+                for (_, post), pre_state in zip(hooks, states, strict=True):
+                    if post is not None:
+                        post(node.key, values[node.key], pre_state)
     except BaseException as e:  # a user's error: ship it back whole, do not let Ray retry
         if isinstance(e, KeyboardInterrupt) and _cancelled_by_ray():
             raise  # Ray's cancel, not the task's: Ray makes it a TaskCancelledError
