@@ -18,6 +18,7 @@ from dask.utils import Dispatch
 from raydag import runtime
 from raydag.core.graph import UnknownAnnotationWarning
 from raydag.runtime import ray_hooks
+from raydag.runtime.persisted import handed_out
 
 __all__ = [
     "Enabled",
@@ -116,7 +117,8 @@ def _get(
     show = dask.config.set({"raydag.progress.enabled": True}) if progress_bar else nullcontext()
     with ray_hooks.active(keys, ray_callbacks) as hooks, show:
         graph, outputs = runtime.run(dsk, keys, callbacks, ray_remote_args, hooks)
-        if ray_persist:
+        if ray_persist:  # Ray's form: plain refs, which dask may inline into later tasks
+            handed_out[0] = True
             result = runtime.nested(keys, {k: ref for k, (ref, _) in outputs.items()})
         elif keep:
             persisted = {

@@ -40,7 +40,7 @@ class Calls:
         return calls
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def calls(ray_cluster):
     actor = Calls.remote()
     yield actor

@@ -50,7 +50,7 @@ from raydag.core.state import State
 from raydag.runtime.cluster import alive_nodes, idle_cpus
 from raydag.runtime.graveyard import all_ended, graveyard
 from raydag.runtime.inbox import cancel, inbox
-from raydag.runtime.persisted import Persisted, given_ref
+from raydag.runtime.persisted import Persisted, given_ref, handed_out
 from raydag.runtime.ray_hooks import RayHooks
 from raydag.runtime.stores import StoreSampler
 from raydag.runtime.worker import (
@@ -470,6 +470,8 @@ class Runner:
             kw: dict[str, Any] = {"returns": sub.returns} if sub.returns else {}
             if hooks is not None and hooks.worker:
                 kw["hooks"] = hooks.worker
+            if handed_out[0]:
+                kw["resolve"] = True
             *value_refs, meta_ref = fn.remote(nodes, sub.inputs, notify, *refs, **kw)
             if hooks is not None and hooks.postsubmit:
                 self._postsubmit(sub, refs, value_refs)

@@ -27,7 +27,7 @@ import ray
 import ray.cloudpickle
 from dask.sizeof import sizeof
 
-from raydag.compat import DataNode
+from raydag.compat import DataNode, Task
 
 
 @dataclass
@@ -51,6 +51,7 @@ def run_group(
     *inputs: Any,
     returns: tuple = (),
     hooks: tuple = (),
+    resolve: bool = False,
 ) -> tuple[Any, ...]:
     """Run fused dask tasks in order; return the kept values, then an Outcome.
 
@@ -59,7 +60,11 @@ def run_group(
     ``notify``: ``(inbox, run, tag)`` to say where and when it started (see ``_Inbox``).
     ``hooks``: ``(pretask, posttask)`` pairs of Ray's ``RayDaskCallback``s, called
     around each dask task (``raydag.runtime.ray_hooks``); an error in one is the task's.
+    ``resolve``: the tasks may hold ObjectRefs that dask inlined as data (the values of a
+    ``ray_persist=True`` result, fused into a task): read them first, as Ray's would.
     """
+    if resolve:
+        nodes = [resolve_inlined_refs(node) for node in nodes]
     values, outcome = _run_nodes(nodes, input_keys, notify, inputs, hooks)
     kept = returns or (nodes[-1].key,)
     if outcome.error is not None:
@@ -101,6 +106,24 @@ def _run_nodes(
         return values, Outcome(durations, error=pack_exception(e), error_key=key)
     ctx = ray.get_runtime_context()
     return values, Outcome(durations, 0, ctx.get_node_id(), os.getpid(), started)
+
+
+def resolve_inlined_refs(x: Any) -> Any:
+    """``x`` with every ``DataNode`` holding a ``ray.ObjectRef`` (within task arguments,
+    subgraphs, containers) holding its value instead. Raw ObjectRef arguments are the
+    user's and stay as they are, as under dask's own schedulers."""
+    if isinstance(x, DataNode):
+        return DataNode(x.key, ray.get(x.value)) if isinstance(x.value, ray.ObjectRef) else x
+    if isinstance(x, Task):
+        x.args = tuple(resolve_inlined_refs(a) for a in x.args)
+        if x.kwargs:
+            x.kwargs = {k: resolve_inlined_refs(v) for k, v in x.kwargs.items()}
+        return x
+    if type(x) is dict:
+        return {k: resolve_inlined_refs(v) for k, v in x.items()}
+    if type(x) in (list, tuple):
+        return type(x)(resolve_inlined_refs(v) for v in x)
+    return x
 
 
 def _cancelled_by_ray() -> bool:
