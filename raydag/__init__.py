@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from raydag import config as _config  # noqa: F401  (registers raydag.* defaults)
 from raydag import shuffle as _shuffle  # noqa: F401  (registers its bundles)
-from raydag.api import disable, enable, get, persist, ray_get
+from raydag.api import (
+    disable,
+    disable_dask_on_ray,
+    enable,
+    enable_dask_on_ray,
+    get,
+    persist,
+    ray_dask_get,
+    ray_dask_get_sync,
+    ray_dask_persist,
+    ray_get,
+)
 from raydag.core.events import WorkerDiedError
 from raydag.core.graph import GraphError
 from raydag.observe.record import last_run, performance_report
@@ -15,11 +26,16 @@ __all__ = [
     "WorkerDiedError",
     "connect",
     "disable",
+    "disable_dask_on_ray",
     "enable",
+    "enable_dask_on_ray",
     "get",
     "last_run",
     "performance_report",
     "persist",
+    "ray_dask_get",
+    "ray_dask_get_sync",
+    "ray_dask_persist",
     "ray_get",
 ]
 

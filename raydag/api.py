@@ -8,6 +8,7 @@ import pickle
 import threading
 import warnings
 from collections.abc import Sequence
+from contextlib import nullcontext
 from types import TracebackType
 from typing import Any
 
@@ -16,15 +17,22 @@ from dask.utils import Dispatch
 
 from raydag import runtime
 from raydag.core.graph import UnknownAnnotationWarning
+from raydag.runtime import ray_hooks
+from raydag.runtime.persisted import handed_out
 
 __all__ = [
     "Enabled",
     "IgnoredArgumentsWarning",
     "UnknownAnnotationWarning",
     "disable",
+    "disable_dask_on_ray",
     "enable",
+    "enable_dask_on_ray",
     "get",
     "persist",
+    "ray_dask_get",
+    "ray_dask_get_sync",
+    "ray_dask_persist",
     "ray_get",
 ]
 
@@ -82,18 +90,73 @@ def ray_get(dsk: Any, keys: Any, callbacks: Any = None, **kwargs: Any) -> Any:
 
     ``dask.compute(x, scheduler=raydag.ray_get)``. Results come back in the nested
     structure of ``keys``; a task's exception is raised with its own type and traceback.
+
+    Ray's Dask-on-Ray keywords (``ray.util.dask.ray_dask_get``'s) work the same way:
+    ``ray_remote_args`` (Ray task options for every task, under the tasks'
+    ``dask.annotate(ray_remote_args=...)``), ``ray_callbacks`` (``RayDaskCallback``s in
+    place of the active ones), ``ray_persist=True`` (the outputs' ``ray.ObjectRef``s,
+    not their values) and ``_ray_enable_progress_bar`` (raydag's progress display).
     """
+    ray_kw = _ray_keywords(kwargs)
     _warn_ignored(kwargs)
-    _, outputs = runtime.run(dsk, keys, callbacks=callbacks)
+    return _get(dsk, keys, callbacks, **ray_kw)
+
+
+def _get(
+    dsk: Any,
+    keys: Any,
+    callbacks: Any,
+    keep: bool = False,
+    ray_persist: bool = False,
+    ray_callbacks: Any = None,
+    ray_remote_args: Any = None,
+    progress_bar: bool = False,
+) -> Any:
+    """Run; return the outputs' values, or (``keep``) ``Persisted`` results, or (Ray's
+    ``ray_persist``) plain ObjectRefs; ``_ray_finish`` hooks get what is returned."""
+    show = dask.config.set({"raydag.progress.enabled": True}) if progress_bar else nullcontext()
+    with ray_hooks.active(keys, ray_callbacks) as hooks, show:
+        graph, outputs = runtime.run(dsk, keys, callbacks, ray_remote_args, hooks)
+        if ray_persist:  # Ray's form: plain refs, which dask may inline into later tasks
+            handed_out[0] = True
+            result = runtime.nested(keys, {k: ref for k, (ref, _) in outputs.items()})
+        elif keep:
+            persisted = {
+                k: runtime.Persisted(k, ref, node, graph.tasks)
+                for k, (ref, node) in outputs.items()
+            }
+            result = runtime.nested(keys, persisted)
+        else:
+            result = runtime.nested(keys, _fetch(outputs))
+        outputs.clear()
+        if hooks is not None:
+            hooks.finished(result)
+    return result
+
+
+def _fetch(outputs: dict) -> dict:
+    """The outputs' values, owned (``own``); ``outputs`` emptied (the refs let go)."""
     try:
         refs = [ref for ref, _ in outputs.values()]
-        values = {k: own(v) for k, v in zip(outputs, runtime.ray.get(refs), strict=True)}
+        return {k: own(v) for k, v in zip(outputs, runtime.ray.get(refs), strict=True)}
     except runtime.ray.exceptions.RayError as e:  # an output lost since: see ``frameless``
         raise runtime.frameless(e)  # noqa: B904  (the same error, without Ray's frames)
     finally:
         outputs.clear()
         del refs
-    return runtime.nested(keys, values)
+
+
+# Ray's Dask-on-Ray keywords of a get (``ray.util.dask.ray_dask_get``) -> ``_get``'s.
+RAY_KEYWORDS = {
+    "ray_persist": "ray_persist",
+    "ray_callbacks": "ray_callbacks",
+    "ray_remote_args": "ray_remote_args",
+    "_ray_enable_progress_bar": "progress_bar",
+}
+
+
+def _ray_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {ours: kwargs.pop(theirs) for theirs, ours in RAY_KEYWORDS.items() if theirs in kwargs}
 
 
 # Ray hands numpy and pandas data back as read-only views into its object store,
@@ -165,11 +228,11 @@ def _register_pandas() -> None:
 
 
 def _persisted_get(dsk: Any, keys: Any, callbacks: Any = None, **kwargs: Any) -> Any:
-    """Like ``ray_get`` but leaves results in Ray's object store, with their lineage."""
+    """Like ``ray_get`` but leaves results in Ray's object store, with their lineage
+    (with Ray's ``ray_persist=True``: plain ObjectRefs, as ``ray_dask_get`` returns)."""
+    ray_kw = _ray_keywords(kwargs)
     _warn_ignored(kwargs)
-    graph, outputs = runtime.run(dsk, keys, callbacks=callbacks)
-    values = {k: runtime.Persisted(k, ref, node, graph.tasks) for k, (ref, node) in outputs.items()}
-    return runtime.nested(keys, values)
+    return _get(dsk, keys, callbacks, keep=True, **ray_kw)
 
 
 def persist(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
@@ -286,17 +349,48 @@ def enable(*, shuffle: bool = True) -> Enabled:
     """
     from raydag import shuffle as _shuffle
 
-    settings: dict[str, Any] = {"scheduler": ray_get}
-    if shuffle:
-        settings["dataframe.shuffle.method"] = _shuffle.METHOD
+    return _enable({SHUFFLE_METHOD: _shuffle.METHOD} if shuffle else {})
+
+
+SHUFFLE_METHOD = "dataframe.shuffle.method"
+
+
+def _enable(settings: dict[str, Any]) -> Enabled:
+    """raydag as dask's scheduler, and ``settings`` (raydag's shuffle method: its
+    dask-expr hook installed)."""
+    from raydag import shuffle as _shuffle
+
+    settings = {"scheduler": ray_get, **settings}
     with _lock:
-        installed = shuffle and not _shuffle.installed()
+        installed = settings.get(SHUFFLE_METHOD) == _shuffle.METHOD and not _shuffle.installed()
         if installed:
             _shuffle.install()
         handle = Enabled(settings, installed)
         _enabled.append(handle)
     logger.debug("raydag enabled: %s", handle)
     return handle
+
+
+def enable_dask_on_ray(
+    shuffle: str | None = "tasks", use_shuffle_optimization: bool | None = True
+) -> Enabled:
+    """Ray's ``ray.util.dask.enable_dask_on_ray``, on raydag: ``raydag.enable()`` under
+    Ray's name and arguments, usable for good or as a context manager.
+
+    Ray sets dask's scheduler to ``ray_dask_get``, dask's shuffle to ``shuffle``, and with
+    ``use_shuffle_optimization`` rewrites dask's task shuffle into its own, whose maps
+    return one Ray object per output partition. Here: raydag is the scheduler; with
+    ``shuffle="tasks"`` and ``use_shuffle_optimization`` (Ray's defaults), raydag's
+    shuffle is dask's method (the same idea as Ray's rewrite); otherwise ``shuffle`` is
+    dask's ``dataframe.shuffle.method`` as given (``"tasks"``, ``"disk"``; ``None``: dask
+    picks). ``disable_dask_on_ray()``, ``raydag.disable()`` or the end of the ``with``
+    undo it.
+    """
+    from raydag import shuffle as _shuffle
+
+    if shuffle == "tasks" and use_shuffle_optimization:
+        return _enable({SHUFFLE_METHOD: _shuffle.METHOD})
+    return _enable({SHUFFLE_METHOD: shuffle})
 
 
 def disable() -> None:
@@ -309,6 +403,28 @@ def disable() -> None:
     with _lock:
         for handle in reversed(list(_enabled)):
             handle.undo()
+
+
+def disable_dask_on_ray() -> None:
+    """Ray's ``ray.util.dask.disable_dask_on_ray``, on raydag: ``raydag.disable()``.
+
+    Ray's sets dask's scheduler and shuffle to ``None`` for good; this undoes every
+    ``enable_dask_on_ray()`` and ``raydag.enable()``, putting back what they changed.
+    """
+    disable()
+
+
+# Ray's names for the get (``ray_dask_get_sync``: Ray's without its submitting thread
+# pool; raydag's get has none).
+ray_dask_get = ray_get
+ray_dask_get_sync = ray_get
+
+
+def ray_dask_persist(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+    """Ray's ``ray.util.dask.ray_dask_persist`` on raydag: ``dask.persist`` on raydag
+    with ``ray_persist=True``; the collections' graphs hold plain ``ray.ObjectRef``s
+    (Ray's form: no lineage, so a lost one is not recomputed; ``raydag.persist``'s are)."""
+    return persist(*args, ray_persist=True, **kwargs)
 
 
 def _warn_ignored(kwargs: dict[str, Any]) -> None:

@@ -210,6 +210,70 @@ def node_affinity(node: str, soft: bool) -> Any:
     return strategy(node, soft=soft)
 
 
+# ---- Ray: task options, Dask-on-Ray callbacks (raydag.runtime.ray_hooks) ---------------
+
+OPTION_UTILS = ("ray._common.ray_option_utils", "ray._private.ray_option_utils")
+
+
+@_once
+def _task_options_validator() -> Callable[..., None] | None:
+    errors = []
+    for where in OPTION_UTILS:
+        try:
+            return _import(f"{where}:validate_task_options")
+        except ImportError as e:
+            errors.append(e)
+    _say(
+        "validate_task_options",
+        logging.INFO,
+        _needs(
+            "checking ray_remote_args before the compute",
+            f"validate_task_options in {' or '.join(OPTION_UTILS)}",
+            "ray",
+            errors[-1],
+            "bad options are reported by Ray when their task is submitted",
+        ),
+    )
+    return None
+
+
+def validate_task_options(options: dict) -> None:
+    """Raise Ray's ``ValueError``/``TypeError`` for options a remote function's
+    ``.options()`` would refuse (an unknown keyword, a wrong type, ``CPU`` in
+    ``resources``); nothing where this Ray has no such check."""
+    fn = _task_options_validator()
+    if fn is not None:
+        fn(dict(options), in_options=True)
+
+
+RAY_DASK_CALLBACKS = "ray.util.dask.callbacks"
+# RayDaskCallback's names that raydag reads: the active set, the per-callback tuple,
+# the context manager that empties the active set during a compute.
+RAY_DASK_CALLBACK_NAMES = ("RayDaskCallback", "RayCallback", "local_ray_callbacks", "CBS")
+
+
+def ray_dask_callbacks() -> Any | None:
+    """``ray.util.dask.callbacks`` if the process has imported it, else ``None``.
+
+    Never imported here: importing ``ray.util.dask`` patches ``dask.persist`` (it adds
+    ``ray_persist=True`` to every persist), which a raydag user must not get unasked.
+    Without it, no ``RayDaskCallback`` can exist. ``MissingAPI`` when it lacks a name
+    raydag reads.
+    """
+    import sys
+
+    module = sys.modules.get(RAY_DASK_CALLBACKS)
+    if module is None:
+        return None
+    missing = [n for n in RAY_DASK_CALLBACK_NAMES if not hasattr(module, n)]
+    if missing or not hasattr(module.RayDaskCallback, "ray_active"):
+        raise MissingAPI(
+            f"RayDaskCallback hooks need {RAY_DASK_CALLBACKS}.{', '.join(missing or ['RayDaskCallback.ray_active'])}, "
+            f"which ray {version('ray')} lacks"
+        )
+    return module
+
+
 # ---- Ray: the raylet's GetNodeStats (raydag.stores) -----------------------------------
 
 # The fields of Ray's ObjectStoreStats that raydag.stores reads.

@@ -54,6 +54,9 @@ class Submit:
     returns: tuple = ()
     # Keys read back from their checkpoints instead of computed (raydag.core.checkpoints).
     restore: tuple = ()
+    # Ray task options besides resources (``ray_remote_args``: ``scheduling_strategy``,
+    # ``runtime_env``, ...), for ``.options()`` as given; one object per distinct dict.
+    remote_args: Mapping[str, Any] | None = None
 
     @property
     def root(self) -> Key:

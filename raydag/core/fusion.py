@@ -93,7 +93,11 @@ class Fuser:
 
     def _same_kind(self, a: Key, b: Key) -> bool:
         ta, tb = self.s.tasks[a], self.s.tasks[b]
-        return ta.resources == tb.resources and ta.retries == tb.retries
+        return (
+            ta.resources == tb.resources
+            and ta.retries == tb.retries
+            and ta.remote_args == tb.remote_args
+        )
 
     def _fusable(self, key: Key) -> bool:
         """No output, no given value, no bundle's map or piece, no key annotated

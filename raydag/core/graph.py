@@ -31,10 +31,11 @@ class UnknownAnnotationWarning(UserWarning):
     """A task carries an annotation that neither raydag nor dask's schedulers read."""
 
 
-# Annotations raydag acts on (``dask.annotate(resources=..., retries=...)``), and those
+# Annotations raydag acts on (``dask.annotate(resources=..., retries=...)``, and Ray's
+# Dask-on-Ray ``ray_remote_args``: ``raydag.core.options``), and those
 # dask and distributed set or document that mean nothing on Ray: where and in which
 # order tasks run is raydag's to decide (docs/semantics.md).
-HANDLED_ANNOTATIONS = frozenset({"resources", "retries", "checkpoint"})
+HANDLED_ANNOTATIONS = frozenset({"resources", "retries", "checkpoint", "ray_remote_args"})
 FOREIGN_ANNOTATIONS = frozenset(
     {
         "priority",
@@ -80,11 +81,14 @@ class Graph:
         keys: Any,
         is_external: Callable[[Any], bool] = lambda value: False,
         find_external: Callable[[Key], Any] = lambda key: None,
+        around: Mapping[str, Any] | None = None,
     ) -> Graph:
         """``is_external`` tells given values (ObjectRefs) among the graph's data;
         ``find_external`` finds a given value for a key the graph only refers to (a
         persisted result, referenced as a ``TaskRef`` the way distributed's futures are).
         A given value with a ``lineage`` mapping brings the tasks that made it.
+        ``around``: the annotations active around the compute (``dask.get_annotations()``
+        in the get), for every task whose layer does not give that name itself.
         """
         annotations = _annotations(dsk)
         if not isinstance(dsk, Mapping):
@@ -123,6 +127,11 @@ class Graph:
             name: {k: v for k, v in values.items() if k in tasks}
             for name, values in annotations.items()
         }
+        for name, value in (around or {}).items():
+            per_key = annotations.setdefault(name, {})
+            for k in tasks:
+                if k not in per_key:
+                    per_key[k] = value(k) if callable(value) else value
         return cls(
             tasks=tasks,
             dependencies=dependencies,

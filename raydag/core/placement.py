@@ -125,9 +125,9 @@ class Placer:
         cat = self.s.categories.get(root.category)
         if cat is None or not cat.made or cat.made_bytes / cat.made < self.settings.min_output:
             return None, ""
-        r = root.resources or {}
-        if set(r) - {"CPU", "GPU", "memory"}:  # custom resources say where it may run
+        if root.pinned:  # its options say where it runs (custom resources, a strategy)
             return None, ""
+        r = root.resources or {}
         cpus = float(r.get("CPU", 1))
         stored = {n.id: n for n in self._stored()}
         held: dict[str, int] = {}

@@ -42,6 +42,8 @@ class TaskState:
         "given",
         "fixed",
         "resources",
+        "remote_args",
+        "pinned",
         "retries",
         "source",
         "inline",
@@ -66,7 +68,9 @@ class TaskState:
         self.output = False  # requested by the caller: held until the end
         self.given = False  # its value came from outside (a persisted result, a ref)
         self.fixed = False  # given, and nothing here can recompute it
-        self.resources: dict | None = None  # dask.annotate(resources=...)
+        self.resources: dict | None = None  # resources=, ray_remote_args' (core.options)
+        self.remote_args: dict | None = None  # other Ray task options, passed through
+        self.pinned = False  # its options say where it runs: not placed, not duplicated
         self.retries = 0  # dask.annotate(retries=...): tries after a user error
         self.source = False  # reads nothing but given values
         self.inline = False  # its value lives in the driver's memory: no death loses it

@@ -350,7 +350,8 @@ class Speculator:
     def away_from_slow(self, group: Group) -> tuple[str | None, str]:
         """While a node is slow, a first copy goes (soft) to the node not slow with the
         most free CPUs; ``None`` when no node is slow, or no other is known."""
-        if self.withheld() <= 0 or not set(self.s.tasks[group.lead].resources or ()) <= {"CPU"}:
+        lead = self.s.tasks[group.lead]
+        if self.withheld() <= 0 or not set(lead.resources or ()) <= {"CPU"} or lead.pinned:
             return None, ""
         nodes = [n for n in self.s.nodes.values() if n.alive and not self.slow(n.id)]
         if not nodes:
@@ -510,7 +511,8 @@ class Speculator:
         cpus = self.s.cpus(group)
         if self.slow(node):
             return None, ""
-        if cpus <= free and set(self.s.tasks[group.keys[-1]].resources or ()) <= {"CPU"}:
+        root = self.s.tasks[group.keys[-1]]
+        if cpus <= free and set(root.resources or ()) <= {"CPU"} and not root.pinned:
             self.steer = (node, free - cpus) if free > cpus else None
             return node, "a duplicate won there (its losers' workers are stopped)"
         return None, ""
@@ -519,8 +521,9 @@ class Speculator:
         """Only a lone task that needs nothing but CPUs, of a category not known cheap."""
         lead = group.lead
         alone = len(group.keys) == 1 + len(group.consumers)  # consumers may come along
-        r = self.s.tasks[lead].resources
-        return alone and not self.s.fuser.cheap(lead) and set(r or ()) <= {"CPU"}
+        ts = self.s.tasks[lead]
+        plain = set(ts.resources or ()) <= {"CPU"} and not ts.pinned  # may run anywhere
+        return alone and not self.s.fuser.cheap(lead) and plain
 
     def preempt(self, cost: float, out: list[Instruction]) -> bool:
         """Cancel duplicates, youngest first, if that lets a first copy of ``cost`` run.

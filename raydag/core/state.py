@@ -67,6 +67,7 @@ from raydag.core.events import (
     WorkerDiedError,
 )
 from raydag.core.fusion import Fuser, Fusion
+from raydag.core.options import PLAIN_RESOURCES, TaskOptions, task_options
 from raydag.core.placement import Placement, Placer
 from raydag.core.records import (
     MEMORY,
@@ -135,6 +136,8 @@ class State:
         capacity: float,
         available: Iterable[Key] = (),
         resources: Mapping[Key, Mapping[str, float]] | None = None,
+        remote_args: Mapping[Key, Mapping[str, Any]] | None = None,
+        pinned: Iterable[Key] = (),
         retries: Mapping[Key, int] | None = None,
         default_retries: int = 3,
         fusion: Fusion | None = None,
@@ -176,6 +179,12 @@ class State:
             self.tasks[k].fixed = True
         for k, r in (resources or {}).items():
             self.tasks[k].resources = dict(r) if r else None
+            if r and set(r) - PLAIN_RESOURCES:  # custom resources say where it may run
+                self.tasks[k].pinned = True
+        for k, args in (remote_args or {}).items():
+            self.tasks[k].remote_args = args or None  # as given: one object per distinct dict
+        for k in pinned:
+            self.tasks[k].pinned = True
         for k, n in (retries or {}).items():
             self.tasks[k].retries = int(n)
         for ts in self.tasks.values():
@@ -222,15 +231,23 @@ class State:
             self.speculator.seed(self.category(name), [float(x) for x in seconds])
 
     @classmethod
-    def from_graph(cls, graph: Any, **kwargs: Any) -> State:
+    def from_graph(cls, graph: Any, options: TaskOptions | None = None, **kwargs: Any) -> State:
+        """``options``: each task's Ray options (``core.options``); without them, the
+        ``resources`` annotation alone."""
         given = graph.external
+        if options is None:
+            options = task_options(
+                graph.tasks, {"resources": graph.annotations.get("resources", {})}
+            )
         return cls(
             graph.dependencies,
             graph.priorities,
             graph.outputs,
             available=given,
             fixed=set(given) - graph.lineage,
-            resources=graph.annotations.get("resources"),
+            resources=options.resources,
+            remote_args=options.remote_args,
+            pinned=options.pinned,
             retries=graph.annotations.get("retries"),
             checkpoint_marks=graph.annotations.get("checkpoint"),
             given_nodes={k: getattr(v, "node", None) for k, v in given.items()},
@@ -623,6 +640,7 @@ class State:
             placed=placed,
             returns=group.returns,
             restore=tuple(k for k in group.keys if self.tasks[k].restore),
+            remote_args=root.remote_args,
         )
 
     def _first_copy(self, group: Group) -> None:

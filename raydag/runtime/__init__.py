@@ -8,6 +8,7 @@ the settings, watch it (run record, progress, store sampler) and drive it with a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -15,15 +16,18 @@ import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
 
+import dask
 import ray
 from dask.callbacks import local_callbacks
 
 from raydag import config
+from raydag.compat import validate_task_options
 from raydag.core import bundles
 from raydag.core.checkpoints import Checkpoints
 from raydag.core.events import Event, Instruction
 from raydag.core.fusion import Fusion
 from raydag.core.graph import HANDLED_ANNOTATIONS, Graph, UnknownAnnotationWarning
+from raydag.core.options import task_options
 from raydag.core.placement import Placement
 from raydag.core.recovery import Recovery
 from raydag.core.speculation import Speculation
@@ -33,6 +37,7 @@ from raydag.runtime.cluster import INLINE_BYTES, INLINE_TOTAL, alive_nodes, conn
 from raydag.runtime.graveyard import hold_until_ended
 from raydag.runtime.inbox import cancel
 from raydag.runtime.persisted import Persisted, find_persisted, gone, is_given
+from raydag.runtime.ray_hooks import RayHooks, nested
 from raydag.runtime.runner import Runner, frameless
 from raydag.runtime.stores import StoreSampler, shared_reader
 from raydag.runtime.worker import pack_exception, unpack_exception
@@ -42,6 +47,7 @@ Key = Hashable
 
 __all__ = [
     "Persisted",
+    "RayHooks",
     "cancel",
     "connect",
     "frameless",
@@ -67,10 +73,28 @@ def seed_runtimes() -> dict[str, list[float]] | None:
 
 
 def run(
-    dsk: Any, keys: Any, callbacks: Any = None
+    dsk: Any,
+    keys: Any,
+    callbacks: Any = None,
+    ray_remote_args: Mapping[str, Any] | None = None,
+    hooks: RayHooks | None = None,
 ) -> tuple[Graph, dict[Key, tuple[ray.ObjectRef, str | None]]]:
-    """Build the graph, run it on Ray, return the outputs' refs and nodes."""
-    graph = Graph.from_dask(dsk, keys, is_external=is_given, find_external=find_persisted)
+    """Build the graph, run it on Ray, return the outputs' refs and nodes.
+
+    ``ray_remote_args``: Ray task options for every task (``raydag.core.options``);
+    ``hooks``: Ray's ``RayDaskCallback`` hooks (``ray_hooks``). A presubmit hook turns
+    fusion and bundles off: it may give any one dask task's value in its place.
+    """
+    graph = Graph.from_dask(
+        dsk,
+        keys,
+        is_external=is_given,
+        find_external=find_persisted,
+        around=dask.get_annotations(),
+    )
+    options = task_options(
+        graph.tasks, graph.annotations, ray_remote_args, validate=validate_task_options
+    )
     unknown = graph.unknown_annotations()
     if unknown:
         warnings.warn(
@@ -84,14 +108,19 @@ def run(
     per_cpu = float(config.get("scheduling.in-flight-per-cpu"))
     speculation = Speculation.from_config()
     checkpoints, checkpointing, found = _checkpoints(graph)
+    fusion = Fusion.from_config()
+    one_by_one = hooks is not None and bool(hooks.presubmit)
+    if one_by_one:
+        fusion = dataclasses.replace(fusion, enabled=False)
     state = State.from_graph(
         graph,
-        bundles=bundles.find(graph.tasks, graph.dependents),
+        options,
+        bundles=None if one_by_one else bundles.find(graph.tasks, graph.dependents),
         capacity=slots(sum(nodes.values()), per_cpu),
         nodes=nodes,
         in_flight_per_cpu=per_cpu,
         default_retries=int(config.get("retries")),
-        fusion=Fusion.from_config(),
+        fusion=fusion,
         cheap_cost=float(config.get("scheduling.cheap-task-cost")),
         speculation=speculation,
         seed_runtimes=seed_runtimes() if speculation.enabled else None,
@@ -109,7 +138,7 @@ def run(
     ):
         started = []
         failed = True
-        runner = Runner(graph, state, nodes, cbs, observers, sampler, checkpointing)
+        runner = Runner(graph, state, nodes, cbs, observers, sampler, checkpointing, hooks)
         try:
             for cb in cbs:
                 if cb[0]:
@@ -194,9 +223,3 @@ def _watching(
                 record.finished(recorder.finish(error))
             except Exception:  # the record must never break a compute
                 logger.exception("raydag: could not finish the run record")
-
-
-def nested(keys: Any, values: Mapping[Key, Any]) -> Any:
-    if isinstance(keys, list):
-        return [nested(k, values) for k in keys]
-    return values[keys]

@@ -77,6 +77,12 @@ def gone(external: Mapping[Key, Any]) -> list[Key]:
     return [k for k, v in external.items() if isinstance(v, Persisted) and v.session != now]
 
 
+# Has this process handed out plain ObjectRefs as persisted values (``ray_persist=True``)?
+# dask may then inline them into the tasks of later graphs, where the workers read them
+# (``worker.resolve_inlined_refs``); until then no task is searched for them.
+handed_out = [False]
+
+
 def given_ref(value: Any) -> ray.ObjectRef:
     return value.ref if isinstance(value, Persisted) else value
 

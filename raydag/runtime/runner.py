@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -19,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 import ray
 import ray.exceptions as rex
 from dask.callbacks import unpack_callbacks
+from dask.sizeof import sizeof
 
 from raydag import config
-from raydag.compat import node_affinity
+from raydag.compat import DataNode, node_affinity
 from raydag.core.events import (
     Aborted,
     Cancel,
@@ -47,11 +49,13 @@ from raydag.core.events import (
     Won,
 )
 from raydag.core.graph import Graph
+from raydag.core.records import READY, WAITING
 from raydag.core.state import State
 from raydag.runtime.cluster import alive_nodes, idle_cpus
 from raydag.runtime.graveyard import all_ended, graveyard
 from raydag.runtime.inbox import cancel, inbox
-from raydag.runtime.persisted import Persisted, given_ref
+from raydag.runtime.persisted import Persisted, given_ref, handed_out
+from raydag.runtime.ray_hooks import RayHooks
 from raydag.runtime.stores import StoreSampler
 from raydag.runtime.worker import (
     Outcome,
@@ -88,6 +92,7 @@ class Runner:
         observers: Sequence[Callable[[Event | None, list[Instruction]], None]] = (),
         sampler: StoreSampler | None = None,
         checkpoints: Checkpointing | None = None,
+        hooks: RayHooks | None = None,
     ):
         self.graph = graph
         self.state = state
@@ -113,11 +118,21 @@ class Runner:
         _, _, self.pretask, self.posttask, _ = unpack_callbacks(callbacks)
         self.dask_state = _dask_state(graph) if callbacks else None
         self.checkpoints = checkpoints  # the writes in flight, the reads back
+        # Ray's RayDaskCallback hooks (ray_hooks): the keys not submitted yet and the
+        # outputs' refs since, for postsubmit_all (None: no such hook, or called)
+        self.hooks = hooks
+        self._unsubmitted: set | None = None
+        self._awaiting_all = bool(hooks is not None and hooks.postsubmit_all)
+        self._output_refs: dict[Key, ray.ObjectRef] = {}
 
     def run(self) -> dict[Key, tuple[ray.ObjectRef, str | None]]:
         """Run to the end; return the outputs' refs and nodes (the caller owns them now)."""
         try:
             self._step(None)
+            if self._awaiting_all:
+                tasks = self.state.tasks
+                self._unsubmitted = {k for k, ts in tasks.items() if ts.state in (WAITING, READY)}
+                self._all_submitted()
             last_poll = time.monotonic()
             while not self.state.done:
                 if not self.pending:
@@ -132,6 +147,9 @@ class Runner:
                 raise exc.with_traceback(exc.__traceback__)
             if self.checkpoints is not None:
                 self.checkpoints.settle()
+            if self._awaiting_all:  # never all submitted at once: all given, or done
+                self._unsubmitted = set()
+                self._all_submitted()
             tasks = self.state.tasks
             return {k: (self._ref(k), tasks[k].node) for k in self.graph.outputs}
         except BaseException:
@@ -144,6 +162,7 @@ class Runner:
                 graveyard.hold(meta_ref, value_refs)
             self.pending.clear()
             self.by_copy.clear()
+            self._output_refs.clear()
             self._drain = None
 
     def _wait_and_handle(self) -> None:
@@ -422,6 +441,19 @@ class Runner:
                     if kept:
                         logger.debug("raydag: kept, read by running tasks: %s", _few(kept))
         cancel(cancelled, self.force_cancel)
+        if self._unsubmitted is not None and not self._unsubmitted:
+            self._all_submitted()
+
+    def _all_submitted(self) -> None:
+        """``_ray_postsubmit_all``, once: every task the outputs need is submitted."""
+        if not self._awaiting_all or self._unsubmitted is None or self._unsubmitted:
+            return
+        self._awaiting_all = False
+        self._unsubmitted = None
+        refs = {k: self._output_refs.get(k, self.values.get(k)) for k in self.graph.outputs}
+        refs = {k: self._ref(k) if r is None else r for k, r in refs.items()}
+        self._output_refs.clear()
+        self.hooks.submitted_all(refs, self.graph.tasks)  # type: ignore[union-attr]
 
     def _spare(self, node: str) -> None:
         """A forced cancel kills the copy's worker process, and Ray starts another only
@@ -437,7 +469,9 @@ class Runner:
         spec: Any = tuple(sorted(sub.resources.items())) if sub.resources else None
         if sub.returns:  # several values kept: one Ray object each, and the Outcome
             spec = (spec, len(sub.returns))
-        fn = self._options.get((spec, sub.node, sub.soft))
+        # remote_args: one object per distinct dict for the compute (core.options)
+        cached = (spec, sub.node, sub.soft, id(sub.remote_args) if sub.remote_args else None)
+        fn = self._options.get(cached)
         if fn is None:
             opts = ray_options(sub.resources)
             if sub.returns:
@@ -449,7 +483,8 @@ class Runner:
                 # original. A placed task: there if it can, elsewhere if that node is
                 # gone or has no CPU free (soft, spilling).
                 opts["scheduling_strategy"] = node_affinity(sub.node, sub.soft)
-            fn = self._options[(spec, sub.node, sub.soft)] = remote_group.options(**opts)
+            opts.update(sub.remote_args or {})  # the user's ray_remote_args, as given
+            fn = self._options[cached] = remote_group.options(**opts)
         notify = None
         if sub.notify:
             if self._inbox is None:
@@ -461,8 +496,28 @@ class Runner:
                 self.checkpoints.read_back(n.key) if n.key in sub.restore else n for n in nodes
             ]  # type: ignore[union-attr]
         refs = [self._ref(k) for k in sub.inputs]
-        kw = {"returns": sub.returns} if sub.returns else {}
-        *value_refs, meta_ref = fn.remote(nodes, sub.inputs, notify, *refs, **kw)
+        hooks = self.hooks
+        shortcut = None
+        if hooks is not None and hooks.presubmit and not sub.duplicate:
+            shortcut = self._presubmit(sub, refs)
+        if shortcut is not None:
+            *value_refs, meta_ref = shortcut
+        else:
+            kw: dict[str, Any] = {"returns": sub.returns} if sub.returns else {}
+            if hooks is not None and hooks.worker:
+                kw["hooks"] = hooks.worker
+            if handed_out[0]:
+                kw["resolve"] = True
+            *value_refs, meta_ref = fn.remote(nodes, sub.inputs, notify, *refs, **kw)
+            if hooks is not None and hooks.postsubmit:
+                self._postsubmit(sub, refs, value_refs)
+        if self._awaiting_all:  # postsubmit_all to come: the outputs' refs
+            if self._unsubmitted is not None:
+                self._unsubmitted.difference_update(sub.keys)
+            outputs = self.graph.outputs
+            self._output_refs.update(
+                (k, r) for k, r in zip(sub.kept, value_refs, strict=True) if k in outputs
+            )
         self.pending[meta_ref] = (sub, tuple(value_refs))
         self.by_copy[sub.copy] = meta_ref
         if self.dask_state is not None and not sub.duplicate:
@@ -472,6 +527,43 @@ class Runner:
                 s["running"].add(k)
                 for f in self.pretask:
                     f(k, self.graph.tasks, s)
+
+    def _hook_deps(self, sub: Submit, key: Key, refs: list, kept: dict, last: Any) -> dict:
+        """A dask task's dependencies as Ray's hooks see them: each one's ObjectRef; one
+        computed in the same Ray task (fused), that Ray task's."""
+        given = dict(zip(sub.inputs, refs, strict=True))
+        return {d: given.get(d, kept.get(d, last)) for d in self.graph.tasks[key].dependencies}
+
+    def _presubmit(self, sub: Submit, refs: list) -> tuple | None:
+        """``_ray_presubmit``: a value in place of the task, carried out as a copy that
+        has finished (its value put in the object store, its outcome known). The
+        compute has no fusion nor bundles (``raydag.runtime.run``): one key a copy."""
+        (key,) = sub.keys
+        task = self.graph.tasks[key]
+        if isinstance(task, DataNode):
+            return None
+        value = self.hooks.presubmitted(task, key, self._hook_deps(sub, key, refs, {}, None))  # type: ignore[union-attr]
+        if value is None:
+            return None
+        outcome = Outcome(
+            [0.0],
+            sizeof(value),
+            ray.get_runtime_context().get_node_id(),
+            os.getpid(),
+            time.time(),
+        )
+        return ray.put(value), ray.put(outcome)
+
+    def _postsubmit(self, sub: Submit, refs: list, value_refs: list) -> None:
+        """``_ray_postsubmit`` per dask task of the Ray task, with the ref it returns for
+        it (the group's last, for a member whose value never leaves the task)."""
+        kept = dict(zip(sub.kept, value_refs, strict=True))
+        last = value_refs[-1]
+        for k in sub.keys:
+            task = self.graph.tasks[k]
+            if not isinstance(task, DataNode):
+                deps = self._hook_deps(sub, k, refs, kept, last)
+                self.hooks.submitted(task, k, deps, kept.get(k, last))  # type: ignore[union-attr]
 
     def _posttask(self, sub: Submit, outcome: Outcome) -> None:
         s = self.dask_state

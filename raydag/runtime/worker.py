@@ -29,6 +29,8 @@ import ray
 import ray.cloudpickle
 from dask.sizeof import sizeof
 
+from raydag.compat import DataNode, Task
+
 
 @dataclass
 class Outcome:
@@ -46,15 +48,27 @@ class Outcome:
 
 
 def run_group(
-    nodes: list, input_keys: tuple, notify: Any, *inputs: Any, returns: tuple = ()
+    nodes: list,
+    input_keys: tuple,
+    notify: Any,
+    *inputs: Any,
+    returns: tuple = (),
+    hooks: tuple = (),
+    resolve: bool = False,
 ) -> tuple[Any, ...]:
     """Run fused dask tasks in order; return the kept values, then an Outcome.
 
     ``returns``: the keys whose values to keep, each its own Ray object (a shuffle's
     pieces: the Ray task has ``len(returns) + 1`` returns); empty: the last key's.
     ``notify``: ``(inbox, run, tag)`` to say where and when it started (see ``_Inbox``).
+    ``hooks``: ``(pretask, posttask)`` pairs of Ray's ``RayDaskCallback``s, called
+    around each dask task (``raydag.runtime.ray_hooks``); an error in one is the task's.
+    ``resolve``: the tasks may hold ObjectRefs that dask inlined as data (the values of a
+    ``ray_persist=True`` result, fused into a task): read them first, as Ray's would.
     """
-    values, outcome = _run_nodes(nodes, input_keys, notify, inputs)
+    if resolve:
+        nodes = [resolve_inlined_refs(node) for node in nodes]
+    values, outcome = _run_nodes(nodes, input_keys, notify, inputs, hooks)
     kept = returns or (nodes[-1].key,)
     if outcome.error is not None:
         return (*[None] * len(kept), outcome)
@@ -71,19 +85,23 @@ def _shippable(value: Any) -> Any:
     return iter(list(value)) if isinstance(value, types.GeneratorType) else value
 
 
-def _run_nodes(nodes: list, input_keys: tuple, notify: Any, inputs: tuple) -> tuple[dict, Outcome]:
+def _run_nodes(
+    nodes: list, input_keys: tuple, notify: Any, inputs: tuple, hooks: tuple = ()
+) -> tuple[dict, Outcome]:
     """Every warning the tasks raise is caught ("always": the worker's once-per-place
     registry must not hide a warning from the driver) and shipped; the driver warns
     again under its own filters, as when dask's threads ran the task."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        values, outcome = _run_caught(nodes, input_keys, notify, inputs)
+        values, outcome = _run_caught(nodes, input_keys, notify, inputs, hooks)
     if caught:
         outcome.warnings = pack_warnings(caught)
     return values, outcome
 
 
-def _run_caught(nodes: list, input_keys: tuple, notify: Any, inputs: tuple) -> tuple[dict, Outcome]:
+def _run_caught(
+    nodes: list, input_keys: tuple, notify: Any, inputs: tuple, hooks: tuple
+) -> tuple[dict, Outcome]:
     started = time.time()
     if notify is not None:
         inbox, run, tag = notify
@@ -93,9 +111,16 @@ def _run_caught(nodes: list, input_keys: tuple, notify: Any, inputs: tuple) -> t
     node = None
     try:
         for node in nodes:
+            if hooks and not isinstance(node, DataNode):
+                args = tuple(values[d] for d in node.dependencies)
+                states = [pre(node.key, args) if pre else None for pre, _ in hooks]
             t0 = time.perf_counter()
             values[node.key] = node(values)
             durations.append(time.perf_counter() - t0)
+            if hooks and not isinstance(node, DataNode):
+                for (_, post), pre_state in zip(hooks, states, strict=True):
+                    if post is not None:
+                        post(node.key, values[node.key], pre_state)
     except BaseException as e:  # a user's error: ship it back whole, do not let Ray retry
         if isinstance(e, KeyboardInterrupt) and _cancelled_by_ray():
             raise  # Ray's cancel, not the task's: Ray makes it a TaskCancelledError
@@ -105,6 +130,24 @@ def _run_caught(nodes: list, input_keys: tuple, notify: Any, inputs: tuple) -> t
         return values, Outcome(durations, error=pack_exception(e), error_key=key)
     ctx = ray.get_runtime_context()
     return values, Outcome(durations, 0, ctx.get_node_id(), os.getpid(), started)
+
+
+def resolve_inlined_refs(x: Any) -> Any:
+    """``x`` with every ``DataNode`` holding a ``ray.ObjectRef`` (within task arguments,
+    subgraphs, containers) holding its value instead. Raw ObjectRef arguments are the
+    user's and stay as they are, as under dask's own schedulers."""
+    if isinstance(x, DataNode):
+        return DataNode(x.key, ray.get(x.value)) if isinstance(x.value, ray.ObjectRef) else x
+    if isinstance(x, Task):
+        x.args = tuple(resolve_inlined_refs(a) for a in x.args)
+        if x.kwargs:
+            x.kwargs = {k: resolve_inlined_refs(v) for k, v in x.kwargs.items()}
+        return x
+    if type(x) is dict:
+        return {k: resolve_inlined_refs(v) for k, v in x.items()}
+    if type(x) in (list, tuple):
+        return type(x)(resolve_inlined_refs(v) for v in x)
+    return x
 
 
 def _cancelled_by_ray() -> bool:
