@@ -68,7 +68,12 @@ def child(levels: list[int], n_tasks: int, cpus: int, repeats: int, graph: str) 
 
     import raydag
 
-    ray.init(num_cpus=cpus, include_dashboard=False, logging_level="WARNING")
+    sys.path.insert(0, HERE)
+    import _common
+
+    _common.start_ray(
+        lambda: ray.init(num_cpus=cpus, include_dashboard=False, logging_level="WARNING")
+    )
     # operator.index: importable, pickled by reference; a Skim: by value, code and all
     func = operator.index if graph == "nothing" else Skim()
     dsk = {("task", i): (func, i) for i in range(n_tasks)}

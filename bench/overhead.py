@@ -60,7 +60,6 @@ from dask.core import flatten
 from ray.util.dask import ray_dask_get
 
 import raydag
-from raydag import runtime
 
 N_CHAINS = 100
 CHAIN_LENGTH = 50
@@ -309,7 +308,7 @@ def main() -> None:
     ap.add_argument("--small-warmup", type=int, default=10, help="warm-up runs, with --small")
     args = ap.parse_args()
 
-    runtime.connect()  # one embedded Ray with raydag's settings, for every Ray contender
+    _common.start_ray()  # one embedded Ray with raydag's settings, for every Ray contender
     info = _common.print_header(
         "overhead: latency of small computes"
         if args.small

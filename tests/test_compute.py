@@ -680,11 +680,13 @@ def test_a_shared_callable_pickled_by_value_is_shipped_once_per_compute():
     skim = Skim()
     assert len(ray.cloudpickle.dumps(skim)) > SHARED_PICKLE_BYTES
     shipper = Shipper()
-    first, shared = shipper.pack([Task("a", skim, 1)])
-    second, shared_again = shipper.pack([Task("b", skim, 2), Task("c", inc, TaskRef("b"))])
-    assert isinstance(first, bytes) and len(shared) == 1
+    first = [Task("a", skim, 1)]
+    assert shipper.pack(first) == (first, ())  # once: as it is (a one-task compute)
+    second, shared = shipper.pack([Task("b", skim, 2), Task("c", inc, TaskRef("b"))])
+    third, shared_again = shipper.pack([Task("e", skim, 3)])
+    assert isinstance(second, bytes) and len(shared) == 1
     assert shared_again == shared  # one ray.put for the compute, named by every payload
-    assert len(second) < len(ray.cloudpickle.dumps(skim))  # the callable is not in it
+    assert len(third) < len(ray.cloudpickle.dumps(skim))  # the callable is not in it
     plain = [Task("d", inc, 1)]  # importable: pickled by reference, cheap, left alone
     assert shipper.pack(plain) == (plain, ())
 

@@ -107,7 +107,8 @@ class Shipper:
     Ray pickles a task's arguments afresh for every task, and a callable cloudpickle
     cannot import it pickles by value, code and all: the same one again for every
     partition. Here each task callable (``Task.func``) whose pickle is longer than
-    ``SHARED_PICKLE_BYTES`` is ``ray.put`` once, the first time a group has it; the
+    ``SHARED_PICKLE_BYTES`` is ``ray.put`` once, when a second group has it (a compute
+    of one task puts nothing: a put costs the driver about 2 ms); the
     group's nodes are pickled with it replaced by its position in the group's list of
     refs (``persistent_id``), which goes with the Ray task; a worker process reads each
     ref once and keeps it (``_unpack``). Groups without one go as they are.
@@ -123,7 +124,7 @@ class Shipper:
     def __init__(self) -> None:
         # id(callable) -> its ref, or None if it is cheap to pickle; the callables are
         # held, so that no other object takes one's id while the compute runs
-        self._refs: dict[int, ray.ObjectRef | None] = {}
+        self._refs: dict[int, Any] = {}
         self._held: list[Any] = []
 
     def pack(self, nodes: list) -> tuple[Any, tuple]:
@@ -136,9 +137,13 @@ class Shipper:
             if func is None:
                 continue
             key = id(func)
-            if key not in self._refs:
-                self._refs[key] = self._ship(func)
-            ref = self._refs[key]
+            ref = self._refs.get(key, _FIRST)
+            if ref is _FIRST:  # seen once: goes as it is (a one-task compute puts nothing)
+                self._refs[key] = _ONCE
+                self._held.append(func)
+                continue
+            if ref is _ONCE:
+                ref = self._refs[key] = self._ship(func)
             if ref is not None and key not in index:
                 index[key] = len(refs)
                 refs.append(ref)
@@ -149,13 +154,16 @@ class Shipper:
         return buf.getvalue(), tuple(refs)
 
     def _ship(self, func: Any) -> ray.ObjectRef | None:
-        self._held.append(func)
         try:
             if len(ray.cloudpickle.dumps(func)) <= SHARED_PICKLE_BYTES:
                 return None
         except Exception:  # Ray's own pickling will say what is wrong, as before
             return None
         return ray.put(func)
+
+
+_FIRST = object()  # a callable not seen yet in this compute
+_ONCE = object()  # seen in one group: shipped with it, as any other
 
 
 class _SharingPickler(ray.cloudpickle.CloudPickler):
