@@ -128,6 +128,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="computes per level per process")
     ap.add_argument("--rounds", type=int, default=1, help="with --a: A B B A ... rounds")
     ap.add_argument("--a", metavar="OLD_TREE", help="also run from this source tree")
+    ap.add_argument("--runs", type=int, default=None, help="with --a: only the first N runs")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--graph", choices=("nothing", "shared"), default="nothing")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -144,12 +145,13 @@ def main() -> None:
     what = "doing nothing" if args.graph == "nothing" else "calling one Skim of __main__"
     print(f"graph   : {args.tasks} independent tasks {what}, {args.cpus} Ray CPUs")
     trees = {"B": TREE} if args.a is None else {"A": os.path.abspath(args.a), "B": TREE}
-    order = list(trees) if args.a is None else ["A", "B", "B", "A"] * args.rounds
+    order = list(trees) if args.a is None else (["A", "B", "B", "A"] * args.rounds)[: args.runs]
     print(f"trees   : {trees}; order {' '.join(order)}")
     print()
     got: dict[tuple[str, int], list[dict]] = defaultdict(list)
     for name in order:
         for r in run_tree(trees[name], args):
+            print(f"{name} {json.dumps(r)}", flush=True)
             got[name, r["level"]].append(r)
 
     def med(name: str, level: int, what: str) -> float:
@@ -168,8 +170,9 @@ def main() -> None:
                 f"{1e6 * per_task:.0f}",
                 f"{per_task / base:.2f}",
             ]
-            if name == "B" and "A" in trees:
-                row.append(f"{med('B', level, 'cpu') / med('A', level, 'cpu'):.2f}")
+            if "A" in trees:
+                ratio = med("B", level, "cpu") / med("A", level, "cpu")
+                row.append(f"{ratio:.2f}" if name == "B" else "")
             rows.append(row)
     headers = ["tree", "in flight", "wall s", "tasks/s", "driver CPU us/task", "x lowest"]
     if "A" in trees:
