@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -113,3 +114,21 @@ def write_json(path: str, data: Any) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2, default=str)
     print(f"wrote {path}", file=sys.stderr)
+
+
+def start_ray(start: Any = None, attempts: int = 8) -> None:
+    """``start()`` (``raydag.connect`` by default), again if a raylet times out starting:
+    on a loaded machine Ray's 30 s deadline for a new node is sometimes missed."""
+    import ray
+
+    import raydag
+
+    for attempt in range(attempts):
+        try:
+            (start or raydag.connect)()
+            return
+        except Exception:
+            ray.shutdown()
+            if attempt == attempts - 1:
+                raise
+            time.sleep(5.0)

@@ -21,6 +21,21 @@ other users of the machine spreads over all of them; the table shows the median 
 the best). ``gc.collect()`` runs between timed runs, outside the timing.
 
     python bench/overhead.py [--repeats 3] [--json results.json]
+
+With ``--small``, the latency of small computes instead (#19): the fixed cost of one
+``compute()``, which a notebook session or dask's own test suite pays thousands of times.
+
+  one        dask.delayed(inc)(1): one task
+  ten        ten ``inc`` tasks and their sum (dask.delayed, 11 tasks)
+  dataframe  a 4-partition pandas dataframe's column sum (dask.dataframe)
+
+  raydag, ray_dask_get, raw Ray (one ``@ray.remote`` call and its ``ray.get``: Ray's
+  floor for the one-task graph; for the others, as many calls as tasks, wired the
+  same), dask sync, dask threads, and distributed (a ``LocalCluster`` in this process,
+  ``processes=False``, 2 threads). Each runs ``--small-warmup`` times, then
+  ``--small-repeats`` timed runs interleaved round by round; the median, in ms.
+
+    python bench/overhead.py --small [--small-repeats 200] [--json results.json]
 """
 
 from __future__ import annotations
@@ -45,7 +60,6 @@ from dask.core import flatten
 from ray.util.dask import ray_dask_get
 
 import raydag
-from raydag import runtime
 
 N_CHAINS = 100
 CHAIN_LENGTH = 50
@@ -173,6 +187,113 @@ class Result:
         return min(self.times)
 
 
+# ---- small computes (--small) ---------------------------------------------------------
+
+N_TEN = 10
+N_PARTITIONS = 4
+
+
+def ten_collection() -> Any:
+    d_inc = dask.delayed(inc, pure=False)
+    return dask.delayed(sum, pure=False)([d_inc(i) for i in range(N_TEN)])
+
+
+def dataframe_collection() -> Any:
+    import dask.dataframe as dd
+    import pandas as pd
+
+    frame = pd.DataFrame({"x": range(400), "y": [1.5] * 400})
+    return dd.from_pandas(frame, npartitions=N_PARTITIONS).x.sum()
+
+
+def raw_ten() -> int:
+    return ray.get(r_sum.remote(*[r_inc.remote(i) for i in range(N_TEN)]))
+
+
+def small_graphs(client: Any) -> dict[str, tuple[int, Any, dict[str, Callable[[], Any]]]]:
+    """name -> (tasks as handed to a get, expected value, contenders)."""
+
+    def compute(x: Any, scheduler: Any) -> Callable[[], Any]:
+        return lambda: dask.compute(x, scheduler=scheduler)[0]
+
+    out = {}
+    for name, x, raw in (
+        ("one", dask.delayed(inc, pure=False)(1), lambda: ray.get(r_inc.remote(1))),
+        ("ten", ten_collection(), raw_ten),
+        ("dataframe", dataframe_collection(), None),
+    ):
+        g = received_graph(x)
+        expected = dask.compute(x, scheduler="sync")[0]
+        contenders = {
+            "raydag": compute(x, raydag.ray_get),
+            "ray_dask_get": compute(x, ray_dask_get),
+            "dask sync": compute(x, "sync"),
+            "dask threads": compute(x, "threads"),
+            "distributed": compute(x, client.get),
+        }
+        if raw is not None:
+            contenders["raw Ray"] = raw
+        out[name] = (len(g), expected, contenders)
+    return out
+
+
+def small(args: argparse.Namespace) -> list[Result]:
+    """Latency of small computes, each contender's median over many runs."""
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(
+            processes=False, n_workers=1, threads_per_worker=2, dashboard_address=None
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        graphs = small_graphs(client)
+        print("tasks   : " + ", ".join(f"{n} {t}" for n, (t, _, _) in graphs.items()))
+        print(
+            f"timing  : {args.small_warmup} warm-ups, then the median of "
+            f"{args.small_repeats} runs, contenders interleaved"
+        )
+        print()
+        results: list[Result] = []
+        for name, (n_tasks, expected, contenders) in graphs.items():
+            times: dict[str, list[float]] = {c: [] for c in contenders}
+            for round_ in range(args.small_warmup + args.small_repeats):
+                for contender, fn in contenders.items():
+                    t0 = time.perf_counter()
+                    value = fn()
+                    elapsed = time.perf_counter() - t0
+                    if not value == expected:
+                        raise AssertionError(f"{name}/{contender}: {value!r} != {expected!r}")
+                    if round_ >= args.small_warmup:
+                        times[contender].append(elapsed)
+                if round_ % 20 == 0:
+                    gc.collect()
+            results += [Result(name, c, n_tasks, t) for c, t in times.items()]
+    rows = []
+    for r in results:
+        base = {x.contender: x for x in results if x.graph == r.graph}
+        rows.append(
+            [
+                r.graph,
+                r.contender,
+                f"{1000 * r.median:.2f}",
+                f"{1000 * r.best:.2f}",
+                f"{r.median / base['raydag'].median:.2f}",
+                f"{r.median / base['ray_dask_get'].median:.2f}",
+                f"{r.median / base['dask sync'].median:.2f}",
+            ]
+        )
+    print(
+        _common.table(
+            ["graph", "contender", "median ms", "best ms", "/ raydag", "/ ray_dask_get", "/ sync"],
+            rows,
+        )
+    )
+    print()
+    print("/ X: this contender's median over X's median (below 1: faster than X)")
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per contender")
@@ -182,13 +303,24 @@ def main() -> None:
         action="store_true",
         help="also run raydag with its run record off, and written to disk (#7)",
     )
+    ap.add_argument("--small", action="store_true", help="latency of small computes instead")
+    ap.add_argument("--small-repeats", type=int, default=200, help="timed runs, with --small")
+    ap.add_argument("--small-warmup", type=int, default=10, help="warm-up runs, with --small")
     args = ap.parse_args()
 
-    runtime.connect()  # one embedded Ray with raydag's settings, for every Ray contender
+    _common.start_ray()  # one embedded Ray with raydag's settings, for every Ray contender
     info = _common.print_header(
-        "overhead: dask tasks per second on tiny tasks",
+        "overhead: latency of small computes"
+        if args.small
+        else "overhead: dask tasks per second on tiny tasks",
         {"ray": _common.ray_settings()},
     )
+    if args.small:
+        results = small(args)
+        if args.json:
+            info["results"] = [{**asdict(r), "median": r.median, "best": r.best} for r in results]
+            _common.write_json(args.json, info)
+        return
 
     chains, array = chains_collection(), array_collection()
     g_chains, g_array = received_graph(chains), received_graph(array)

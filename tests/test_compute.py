@@ -699,3 +699,61 @@ def test_without_retries_annotation_the_flaky_task_fails(tmp_path, assert_store_
     with pytest.raises(RuntimeError, match="first attempt fails"):
         dask.compute(flaky, scheduler=raydag.ray_get)
     assert_store_empty()
+
+
+# ---- the driver's fixed costs (#19) ---------------------------------------------------
+
+
+def test_a_shared_callable_pickled_by_value_is_shipped_once_per_compute():
+    from raydag.runtime.worker import SHARED_PICKLE_BYTES, Shipper
+
+    class Skim:  # a local class: cloudpickle ships it by value, as a notebook's
+        def __init__(self):
+            self.columns = [f"column_{i}" for i in range(50)]
+
+        def __call__(self, x):
+            return x + len(self.columns)
+
+    skim = Skim()
+    assert len(ray.cloudpickle.dumps(skim)) > SHARED_PICKLE_BYTES
+    shipper = Shipper()
+    first = [Task("a", skim, 1)]
+    assert shipper.pack(first) == (first, ())  # once: as it is (a one-task compute)
+    second, shared = shipper.pack([Task("b", skim, 2), Task("c", inc, TaskRef("b"))])
+    third, shared_again = shipper.pack([Task("e", skim, 3)])
+    assert isinstance(second, bytes) and len(shared) == 1
+    assert shared_again == shared  # one ray.put for the compute, named by every payload
+    assert len(third) < len(ray.cloudpickle.dumps(skim))  # the callable is not in it
+    plain = [Task("d", inc, 1)]  # importable: pickled by reference, cheap, left alone
+    assert shipper.pack(plain) == (plain, ())
+
+    dsk = {("skim", i): (skim, i) for i in range(12)}
+    dsk["total"] = (sum, list(dsk))
+    assert raydag.ray_get(dsk, "total") == sum(i + 50 for i in range(12))
+
+
+def test_a_shared_callable_raising_keeps_its_error_type():
+    class Picky:
+        def __init__(self):
+            self.allowed = set(range(0, 100, 2))
+
+        def __call__(self, x):
+            if x not in self.allowed:
+                raise KeyError(x)
+            return x
+
+    picky = Picky()
+    dsk = {("p", i): (picky, i) for i in range(4)}
+    with pytest.raises(KeyError):
+        raydag.ray_get(dsk, list(dsk))
+
+
+def test_back_to_back_computes_reuse_the_last_read_of_the_cluster():
+    from raydag.runtime import cluster
+
+    fresh = cluster.alive_nodes()
+    when = cluster._last_read[0]
+    assert cluster.alive_nodes(max_age=60.0) == fresh
+    assert cluster._last_read[0] == when  # not read again
+    assert cluster.alive_nodes() == fresh
+    assert cluster._last_read[0] > when  # max_age 0: always read

@@ -104,7 +104,8 @@ def run(
             stacklevel=3,
         )
     connect()
-    nodes = alive_nodes()
+    # as the last compute's driver loop saw them, if that was less than a poll ago
+    nodes = alive_nodes(max_age=config.seconds("scheduling.cluster-poll-interval"))
     per_cpu = float(config.get("scheduling.in-flight-per-cpu"))
     speculation = Speculation.from_config()
     checkpoints, checkpointing, found = _checkpoints(graph)
@@ -188,6 +189,9 @@ def _watching(
     sampler = None
     placing = state.placer.settings.enabled
     if sample or display is not None or placing:
+        # For placement alone the sampler starts at the driver loop's first poll
+        # (``Runner._tick``): a compute shorter than that would never read a round.
+        eager = bool(sample or display is not None)
         try:
             interval = min(
                 config.seconds("record.store-interval") if sample or display else math.inf,
@@ -198,7 +202,8 @@ def _watching(
             sampler = StoreSampler(
                 interval, on_round=on_round, reader=shared_reader(), keep=keeping
             )
-            sampler.start(wait=False)  # the first round in its thread: the compute goes on
+            if eager:
+                sampler.start(wait=False)  # the first round in its thread: the compute goes on
         except Exception as e:  # the record goes on without store samples
             logger.warning("raydag: cannot sample the object stores: %s", e)
             sampler = None

@@ -349,9 +349,12 @@ class Checkpointing:
         self.partial = list(partial)  # this graph's partial checkpoints found at the start
         self.writes: dict[ray.ObjectRef, Key] = {}  # by the write task's ref
 
-    def write(self, key: Key, ref: ray.ObjectRef) -> None:
+    def write(self, key: Key, ref: ray.ObjectRef) -> ray.ObjectRef:
+        """Start writing ``key``'s value; the write task's ref, for the loop to watch."""
         meta = {"key": repr(key)}
-        self.writes[remote_write.remote(self.store, self.names[key], meta, ref)] = key
+        write = remote_write.remote(self.store, self.names[key], meta, ref)
+        self.writes[write] = key
+        return write
 
     def ended(self, ref: ray.ObjectRef) -> Any:
         """The event a finished write means."""

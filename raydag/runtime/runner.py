@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import queue
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -52,13 +53,14 @@ from raydag.core.graph import Graph
 from raydag.core.records import READY, WAITING
 from raydag.core.state import State
 from raydag.runtime.cluster import alive_nodes, idle_cpus
-from raydag.runtime.graveyard import all_ended, graveyard
+from raydag.runtime.graveyard import graveyard
 from raydag.runtime.inbox import cancel, inbox
 from raydag.runtime.persisted import Persisted, given_ref, handed_out
 from raydag.runtime.ray_hooks import RayHooks
 from raydag.runtime.stores import StoreSampler
 from raydag.runtime.worker import (
     Outcome,
+    Shipper,
     ray_options,
     remote_group,
     spare_worker,
@@ -109,12 +111,16 @@ class Runner:
         self.poll = config.seconds("scheduling.cluster-poll-interval")
         self.ray_retries = int(config.get("retries")) if state.recoverer.settings.ray_first else 0
         self._options: dict[Any, Any] = {}
+        self._shipper = Shipper()  # shared callables, shipped once per compute
         # the object stores, sampled in a thread: placement reads each new round
         self.sampler = sampler if state.placer.settings.enabled else None
         self._round = 0
         self.run_id = next(_runs)
         self._inbox: Any = None
         self._drain: ray.ObjectRef | None = None
+        # Refs whose Ray task ended, as Ray's callbacks say (``_watch``): the loop waits
+        # on this queue, not on every ref in flight, so a loop costs what ended in it.
+        self._ended: queue.SimpleQueue[ray.ObjectRef] = queue.SimpleQueue()
         _, _, self.pretask, self.posttask, _ = unpack_callbacks(callbacks)
         self.dask_state = _dask_state(graph) if callbacks else None
         self.checkpoints = checkpoints  # the writes in flight, the reads back
@@ -164,16 +170,27 @@ class Runner:
             self.by_copy.clear()
             self._output_refs.clear()
             self._drain = None
+            self._ended = queue.SimpleQueue()  # callbacks still to come go to a dropped one
+            self._shipper = Shipper()  # its refs free the shared callables
+
+    def _watch(self, ref: ray.ObjectRef) -> None:
+        """Have Ray say when ``ref``'s task ends: it puts the ref in ``_ended``."""
+        ended = self._ended
+        ref.future().add_done_callback(lambda _, ref=ref: ended.put(ref))
 
     def _wait_and_handle(self) -> None:
         """Wait for Ray tasks to end (up to a poll interval); step through what they
         mean. The refs stay in this frame, not in ``run``'s: a raised error keeps
         the frames it passed through, with their locals, for as long as it lives."""
         # the inbox's drain too: a start note wakes the loop (see ``Inbox``)
-        refs = [*self.pending, *([self._drain] if self._drain is not None else [])]
         writes = self.checkpoints.writes if self.checkpoints is not None else {}
-        refs += writes
-        for ref in all_ended(refs, timeout=self.poll):
+        try:
+            refs = [self._ended.get(timeout=self.poll)]
+        except queue.Empty:
+            return
+        while not self._ended.empty():  # and every other one ended by now
+            refs.append(self._ended.get_nowait())
+        for ref in refs:
             if self._drain is not None and ref == self._drain:
                 self._take_notes(wait=0)
                 continue
@@ -246,7 +263,9 @@ class Runner:
         self._take_notes(wait=0)
         alive = {n: c for n, c in self.alive.items() if self.state.is_alive(n)}
         idle = None
-        if self.sampler is not None and self.sampler.rounds != self._round:
+        if self.sampler is not None and not self.sampler.started:
+            self.sampler.start(wait=False)  # placement's: started by the first poll
+        elif self.sampler is not None and self.sampler.rounds != self._round:
             self._round = self.sampler.rounds
             stats = self.sampler.latest
             # Pinned (primary) copies only: Ray evicts cached copies of others' values as
@@ -269,9 +288,11 @@ class Runner:
             self._collect(wait + self.poll if wait else 0)
         if wait and self._drain is None:  # the inbox answers in order: ask once more
             self._drain = self._inbox.drain.remote(self.run_id)
+            self._watch(self._drain)
             self._collect(wait)
         if self._drain is None:  # held at the inbox until a note comes: see ``Inbox``
             self._drain = self._inbox.drain.remote(self.run_id, self.poll)
+            self._watch(self._drain)
 
     def _collect(self, wait: float) -> None:
         ready, _ = ray.wait([self._drain], timeout=wait)
@@ -414,7 +435,7 @@ class Runner:
                     ins.saved,
                 )
             elif cls is Checkpoint:
-                self.checkpoints.write(ins.key, self.values[ins.key])  # type: ignore[union-attr]
+                self._watch(self.checkpoints.write(ins.key, self.values[ins.key]))  # type: ignore[union-attr]
             elif cls is DropCheckpoints:
                 self.checkpoints.drop(ins.keys)  # type: ignore[union-attr]
             elif cls is CheckpointsOff:
@@ -506,9 +527,14 @@ class Runner:
             kw: dict[str, Any] = {"returns": sub.returns} if sub.returns else {}
             if hooks is not None and hooks.worker:
                 kw["hooks"] = hooks.worker
-            if handed_out[0]:
+            if handed_out[0]:  # the nodes may hold ObjectRefs: Ray's own pickling, whole
                 kw["resolve"] = True
-            *value_refs, meta_ref = fn.remote(nodes, sub.inputs, notify, *refs, **kw)
+                payload, shared = nodes, ()
+            else:
+                payload, shared = self._shipper.pack(nodes)
+            if shared:
+                kw["shared"] = shared
+            *value_refs, meta_ref = fn.remote(payload, sub.inputs, notify, *refs, **kw)
             if hooks is not None and hooks.postsubmit:
                 self._postsubmit(sub, refs, value_refs)
         if self._awaiting_all:  # postsubmit_all to come: the outputs' refs
@@ -520,6 +546,7 @@ class Runner:
             )
         self.pending[meta_ref] = (sub, tuple(value_refs))
         self.by_copy[sub.copy] = meta_ref
+        self._watch(meta_ref)
         if self.dask_state is not None and not sub.duplicate:
             s = self.dask_state
             for k in sub.keys:

@@ -187,7 +187,8 @@ class StoreSampler:
     """Samples all nodes' object stores in a daemon thread every ``interval`` seconds.
 
     A context manager: it samples once on entry and once on exit, so even a short
-    block has a before and after. All nodes of one round share that round's start
+    block has a before and after (on exit only if it ``keep``s every round: one that
+    keeps the latest alone is read while running). All nodes of one round share that round's start
     time; ``peak_total_used`` is the largest per-round sum over nodes, which is what
     the cluster as a whole had to hold. The raylet frees released objects in batches
     (``free_objects_period_milliseconds``), so short peaks between two samples can be
@@ -235,14 +236,20 @@ class StoreSampler:
         self._thread.start()
         return self
 
+    @property
+    def started(self) -> bool:
+        return self._started
+
     def stop(self) -> None:
+        """Stop the thread; one last round if it keeps every round (the "after")."""
         if self._thread is None:
             return
         self._stop.set()
         self._thread.join()
         self._thread = None
         try:
-            self.sample()
+            if self.keep:
+                self.sample()
         finally:
             if self._own_reader:
                 self._reader.close()
