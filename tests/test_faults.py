@@ -532,7 +532,11 @@ def test_repeated_deaths_of_the_nodes_running_one_task(cluster, logs, rlog):
     deaths = repeated_deaths(c, log, bg, n_deaths)
     got = bg.result()
     assert_same(got, expected_values(spec, outputs))
-    assert sum(r.label == "long" for r in runs(log)) == n_deaths + 1
+    # a copy after each death; tail speculation may add duplicates beside them
+    ev = raydag.last_run().events
+    duplicates = ((ev.event == "duplicated") & (ev.key == "long")).sum()
+    ran = sum(r.label == "long" for r in runs(log))
+    assert n_deaths + 1 <= ran <= n_deaths + 1 + duplicates, (ran, duplicates)
     check_recovery(spec, outputs, log, rlog, deaths)
     del got
     assert_stores_empty()

@@ -273,9 +273,9 @@ def test_divisions_pass_of_set_index_runs_on_ray(monkeypatch):
     calls = []
     run = raydag.runtime.run
 
-    def counting(dsk, keys, callbacks=None):
+    def counting(dsk, keys, *args, **kwargs):
         calls.append(len(dsk) if hasattr(dsk, "__len__") else 0)
-        return run(dsk, keys, callbacks=callbacks)
+        return run(dsk, keys, *args, **kwargs)
 
     monkeypatch.setattr(raydag.runtime, "run", counting)
     pdf = frame(2000)

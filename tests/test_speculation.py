@@ -179,7 +179,11 @@ def test_original_node_killed_while_duplicate_runs_restarts_nothing(cluster, log
     rs = runs(log)
     long_starts = [(n, t) for k, lab, n, t in rs if k == "start" and lab == "long"]
     long_ends = [(n, t) for k, lab, n, t in rs if k == "end" and lab == "long"]
-    assert len(long_starts) == 2, long_starts  # no restart from scratch
+    # no restart from scratch: one first copy; a later start is a duplicate of the
+    # survivor (tail speculation on the CPUs the death left idle), which it outran
+    ev = raydag.last_run().events
+    assert not ((ev.event == "retried") & (ev.key == "long")).any(), long_starts
+    assert len(long_starts) >= 2, long_starts
     assert long_ends and long_ends[0][0] == starts[1][0], long_ends
     # it ended a full run after the duplicate began, well before a restart could have
     assert long_ends[0][1] < t_kill + 8.0 - 0.5, (long_ends, t_kill)
