@@ -123,7 +123,9 @@ def test_hooks_around_a_fused_chain(calls):
     for members in tasks.values():  # one Ray task: one ref for all of its dask tasks
         assert len({ref_of[k] for k in members}) == 1
     assert seen["postsubmit_all"] == [[1, 8]]
-    assert seen["finish"] == [[[8]]]  # the outputs in the nesting of keys ([key])
+    # what ray_get returns: the outputs in the nesting of the keys dask passed, which is
+    # [key] on the newest dask and [[key]] on 2025.3 (its compute nests once more)
+    assert seen["finish"] in ([[[8]]], [[[[8]]]]), seen["finish"]
 
 
 def test_presubmit_value_stands_for_the_task_and_fusion_is_off(calls):
@@ -156,7 +158,8 @@ def test_ray_callbacks_keyword_in_place_of_the_active_ones(calls):
         for callbacks in ([given], [given._ray_callback]):
             got = chain(2).compute(scheduler=raydag.ray_get, ray_callbacks=callbacks)
             assert got == 2
-            assert ray.get(calls.take.remote())[-1] == ("finish", [2])
+            finish = ray.get(calls.take.remote())[-1]  # dask 2025.3 nests the keys once more
+            assert finish in (("finish", [2]), ("finish", [[2]])), finish
         assert RayDaskCallback.ray_active
 
 
