@@ -215,12 +215,14 @@ class Shipper:
         return buf.getvalue(), tuple(refs)
 
     def _ship(self, func: Any) -> ray.ObjectRef | None:
+        """The callable's pickle, put as bytes: a worker keeps what it unpickles from
+        them, not Ray's zero-copy view of the object (arrays in a callable would pin
+        the put object in the store for as long as the worker keeps it)."""
         try:
-            if len(ray.cloudpickle.dumps(func)) <= SHARED_PICKLE_BYTES:
-                return None
+            blob = ray.cloudpickle.dumps(func)
         except Exception:  # Ray's own pickling will say what is wrong, as before
             return None
-        return ray.put(func)
+        return None if len(blob) <= SHARED_PICKLE_BYTES else ray.put(blob)
 
 
 _FIRST = object()  # a callable not seen yet in this compute
@@ -258,7 +260,7 @@ def _unpack(blob: bytes, shared: tuple) -> list:
         if key not in _shared_read:
             if len(_shared_read) >= _SHARED_KEPT:  # of ended computes, most likely
                 del _shared_read[next(iter(_shared_read))]
-            _shared_read[key] = ray.get(ref)
+            _shared_read[key] = ray.cloudpickle.loads(ray.get(ref))
         callables.append(_shared_read[key])
     return _SharingUnpickler(io.BytesIO(blob), callables).load()
 
