@@ -17,7 +17,6 @@ fix shows up as an unexpected pass.
 from __future__ import annotations
 
 import os
-import sys
 
 import dask
 import dask.base
@@ -99,7 +98,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _name(item: pytest.Item) -> str:
     module = item.module.__name__ if item.module is not None else ""
     return f"{module}::{item.name}"
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main(["-p", "raydag_everywhere", *sys.argv[1:]]))
