@@ -19,11 +19,23 @@ raylet and object store included, and the futures pool's processes): pages share
 between processes (the object store's) count once per process, so it is an upper
 bound. Every run's parquet rows and histogram must equal the first contender's.
 
+Real (``--real``): coffea's own CMS NanoAOD samples (``tests/samples/``: Drell-Yan MC,
+dimuon data, ttbar MC in NanoAOD v12 and v15, from coffea's test suite, BSD licence)
+through ``coffea.dataset_tools.apply_to_fileset`` in dask mode, as a coffea 2025 analysis
+runs: muon and jet selections, an HT histogram (``hist.dask``) and a parquet skim
+(``dask_awkward.to_parquet``) per dataset, ``--real-partitions`` partitions per file.
+The files are preprocessed once (``preprocess``, sync); each contender then builds the
+graph (``apply_to_fileset``, timed apart: the same for all) and computes it; every
+contender's row counts and histograms must equal the first's. Contenders: dask
+``sync`` (the work alone), ``threads`` (one per CPU), raydag, ``ray_dask_get``. Most of
+the work is uproot reading each partition's TTree metadata, the same for every backend.
+
 Graph: one file of ``--events`` events cut into ``--graph-partitions`` partitions (about
 3 tasks each after dask-awkward's optimisation: 16,000 make over 50,000), the same skim; the driver's peak RSS while building and submitting it, and the time from
 ``compute()`` to the first task the driver sees started (a dask callback). The compute
 is then interrupted (Ctrl-C, as a user would): only the start-up is measured.
 
+    python bench/hep.py --real [--real-partitions 6] [--repeats 3]
     python bench/hep.py [--files 8] [--events 50000] [--graph-partitions 16000] [--json out.json]
 """
 
@@ -33,6 +45,7 @@ import _thread
 import argparse
 import contextlib
 import gc
+import math
 import os
 import shutil
 import statistics
@@ -208,6 +221,136 @@ def skim_table(rows: list[dict]) -> str:
     )
 
 
+# ---- the real NanoAOD skim (coffea's samples) --------------------------------------
+
+SAMPLES = Path(__file__).resolve().parents[1] / "tests" / "samples"
+REAL = {
+    "dy": "nano_dy.root",
+    "dimuon": "nano_dimuon.root",
+    "tt_v12": "nano_tt_v12.root",
+    "tt_v15": "nano_tt_v15.root",
+}
+
+
+class RealSkim(processor.ProcessorABC):
+    """Muons and jets selected, an HT histogram and a parquet skim of events with a muon."""
+
+    def __init__(self, out: Path):
+        self.out = out
+
+    def process(self, events: Any) -> dict:
+        import awkward as ak
+        import dask_awkward as dak
+        import hist.dask
+
+        mu = events.Muon[(events.Muon.pt > 10) & (abs(events.Muon.eta) < 2.4)]
+        jets = events.Jet[(events.Jet.pt > 30) & (abs(events.Jet.eta) < 2.5)]
+        ht = ak.sum(jets.pt, axis=1)
+        h = hist.dask.Hist.new.Reg(30, 0, 1500, name="ht").Double().fill(ht=ht)
+        sel = events[ak.num(mu) >= 1]
+        skim = ak.zip(
+            {"run": sel.run, "event": sel.event, "nmu": ak.num(sel.Muon), "mu_pt": sel.Muon.pt},
+            depth_limit=1,
+        )
+        where = self.out / events.metadata["dataset"]
+        return {
+            "ht": h,
+            "rows": ak.num(sel, axis=0),
+            "write": dak.to_parquet(skim, str(where), compute=False),
+        }
+
+    def postprocess(self, accumulator: Any) -> Any:
+        return accumulator
+
+
+def real_fileset(partitions: int) -> dict:
+    """The four samples, preprocessed once, cut into ``partitions`` steps each."""
+    from coffea.dataset_tools import preprocess
+
+    fileset = {k: {"files": {str(SAMPLES / f): "Events"}} for k, f in REAL.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        available, _ = preprocess(fileset, step_size=10**9, skip_bad_files=False, scheduler="sync")
+    for dataset in available.values():
+        for spec in dataset["files"].values():
+            n = spec["num_entries"]
+            step = math.ceil(n / partitions)
+            spec["steps"] = [[a, min(a + step, n)] for a in range(0, n, step)]
+    return available
+
+
+REAL_CONTENDERS = {
+    "dask sync": "sync",
+    "dask threads": "threads",
+    "raydag": raydag.ray_get,
+    "ray_dask_get": ray_dask_get,
+}
+
+
+def bench_real(args: argparse.Namespace) -> list[dict]:
+    from coffea.dataset_tools import apply_to_fileset
+    from coffea.nanoevents import NanoAODSchema
+
+    fileset = real_fileset(args.real_partitions)
+    out = args.data / "real"
+    rows, want = [], None
+    for rep in range(-1, args.repeats):  # round -1 warms every contender up, untimed
+        for name, scheduler in REAL_CONTENDERS.items():
+            shutil.rmtree(out, ignore_errors=True)
+            gc.collect()
+            t0 = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                graph = apply_to_fileset(RealSkim(out), fileset, schemaclass=NanoAODSchema)
+            built = time.perf_counter() - t0
+            kwargs = {"num_workers": CPUS} if scheduler == "threads" else {}
+            t0 = time.perf_counter()
+            (got,) = dask.compute(graph, scheduler=scheduler, **kwargs)
+            seconds = time.perf_counter() - t0
+            result = {k: (int(v["rows"]), v["ht"].values().tolist()) for k, v in got.items()}
+            if want is None:
+                want = result
+            elif result != want:
+                raise AssertionError(f"{name} differs from {next(iter(REAL_CONTENDERS))}")
+            if rep < 0:
+                continue
+            row = {"contender": name, "run": rep, "seconds": seconds, "build_seconds": built}
+            if name == "raydag":
+                tasks = raydag.last_run().tasks
+                row["task_seconds"] = float(tasks.duration.sum())
+                row["ray_tasks"] = int(tasks.group.nunique())
+            rows.append(row)
+            print(f"  {name}: {seconds:.2f} s (+ {built:.2f} s building)", file=sys.stderr)
+    return rows
+
+
+def real_table(rows: list[dict], partitions: int) -> str:
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["contender"], []).append(r)
+    med = {name: statistics.median(r["seconds"] for r in rs) for name, rs in by.items()}
+    table = [
+        [
+            name,
+            med[name],
+            min(r["seconds"] for r in rs),
+            statistics.median(r["build_seconds"] for r in rs),
+            med["dask sync"] / med[name],
+            med["dask threads"] / med[name],
+        ]
+        for name, rs in by.items()
+    ]
+    work = statistics.median(r["task_seconds"] for r in by["raydag"])
+    return (
+        f"{len(REAL)} files x {partitions} partitions; raydag's tasks ran {work:.2f} s in all "
+        f"(its record, median); on {CPUS} CPUs the compute can take no less than "
+        f"{med['dask sync'] / CPUS:.2f} s (sync / CPUs)\n\n"
+        + _common.table(
+            ["contender", "median s", "best s", "build s", "x sync", "x threads"], table
+        )
+    )
+
+
 # ---- the 50k-task graph: start-up only ------------------------------------------------
 
 
@@ -274,6 +417,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="partitions (chunks) per file")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--graph-partitions", type=int, default=16_000, help="about 3 tasks each")
+    parser.add_argument("--real", action="store_true", help="only the real NanoAOD skim")
+    parser.add_argument("--real-partitions", type=int, default=6, help="partitions per file")
     parser.add_argument("--skip-skim", action="store_true")
     parser.add_argument("--skip-graph", action="store_true")
     parser.add_argument("--data", type=Path, default=Path("/tmp/raydag-bench-hep"))
@@ -291,6 +436,12 @@ def main() -> None:
         },
     )
     results: dict[str, Any] = {**header}
+    if args.real:
+        results["real"] = bench_real(args)
+        print()
+        print(real_table(results["real"], args.real_partitions))
+        print("x sync, x threads: their median seconds / this one's (>1: faster)")
+        args.skip_skim = args.skip_graph = True
     if not args.skip_skim:
         results["skim"] = bench_skim(args)
         print()

@@ -757,3 +757,25 @@ def test_back_to_back_computes_reuse_the_last_read_of_the_cluster():
     assert cluster._last_read[0] == when  # not read again
     assert cluster.alive_nodes() == fresh
     assert cluster._last_read[0] > when  # max_age 0: always read
+
+
+def test_warm_up_imports_what_the_driver_has_in_a_worker_per_cpu():
+    """The embedded Ray's workers are started with the driver's modules imported
+    (``local-ray.warm-imports``), so a first compute does not pay for it; a module the
+    driver never imported is not imported, and a missing one is skipped."""
+    import xml.dom.minidom  # noqa: F401  (the driver has it: the worker imports it)
+
+    from raydag.runtime.cluster import warm_up
+
+    wanted = ["xml.dom.minidom", "xml.sax.saxutils", "no_such_module_raydag"]
+    with dask.config.set({"raydag.local-ray.warm-imports": wanted}):
+        import sys
+
+        sys.modules.pop("xml.sax.saxutils", None)  # one the driver does not have
+        sys.modules["no_such_module_raydag"] = sys.modules["xml"]  # "has" it, a worker cannot
+        try:
+            refs = warm_up()
+        finally:
+            del sys.modules["no_such_module_raydag"]
+    assert len(refs) == int(ray.cluster_resources()["CPU"])
+    assert ray.get(refs) == [["xml.dom.minidom"]] * len(refs)

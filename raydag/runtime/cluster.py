@@ -37,6 +37,28 @@ def connect() -> None:
         _system_config={"free_objects_period_milliseconds": max(1, int(period * 1000))},
     )
     logger.info("started an embedded local Ray: %s", ray.cluster_resources())
+    try:
+        warm_up()
+    except Exception as e:  # a cold start is slower, never wrong
+        logger.warning("raydag: could not warm the embedded Ray's workers up: %s", e)
+
+
+def warm_up() -> list[ray.ObjectRef]:
+    """Start a worker process per CPU of the embedded Ray, importing in it the modules of
+    ``local-ray.warm-imports`` the driver has imported, and the inbox actor; return at
+    once. Ray starts worker processes when tasks need them and each imports dask,
+    pandas and the rest on its first task (2-3 s a process on two busy cores): done now,
+    that overlaps with the driver building and ordering its first graph, and the first
+    compute finds warm workers instead of paying it. Nothing waits on these tasks: their
+    refs are returned (each gives the modules its worker imported)."""
+    import sys
+
+    from raydag.runtime.inbox import inbox
+    from raydag.runtime.worker import warm_worker
+
+    wanted = [m for m in config.get("local-ray.warm-imports") or () if m in sys.modules]
+    inbox()
+    return [warm_worker.remote(wanted) for _ in range(int(ray.cluster_resources().get("CPU", 0)))]
 
 
 # The last read of the alive nodes: (when, in ``time.monotonic()``, the Ray session, nodes).

@@ -286,6 +286,25 @@ def _nothing() -> None:
 spare_worker = ray.remote(num_cpus=0, max_retries=0)(_nothing)
 
 
+def _import(modules: list[str]) -> list[str]:
+    """Import ``modules`` here (this module too, by running): a warm worker process.
+    Returns those imported; one failing here fails again, and says why, in the task
+    that needs it."""
+    import importlib
+
+    done = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:
+            continue
+        done.append(name)
+    return done
+
+
+warm_worker = ray.remote(num_cpus=1, max_retries=0)(_import)
+
+
 # raydag retries and recovers tasks itself, from its own lineage (docs/recovery.md):
 # Ray's retries would re-run lost work one object at a time, behind raydag's back.
 remote_group = ray.remote(num_returns=2, max_retries=0)(run_group)
