@@ -60,14 +60,15 @@ def tests_hep(session: nox.Session) -> None:
 
     Everything but the multi-node fault tests (marked ``cluster``) and the tests of
     raydag's Ray layer alone (``ray_only``: cancels, Ctrl-C, the notebook display),
-    which the tests session runs: the dask version plays no part in them, and they
-    take half the suite's time. What does meet dask (graphs, collections, the
+    and the state machine's randomised runs and simulations (``core_only``), which the
+    tests session runs: the dask version plays no part in them, and they take half the
+    suite's time. What does meet dask (graphs, collections, the
     shuffle's rewrite, order, callbacks) runs on both stacks.
     """
     session.install("-e", ".[test,hep]")
     ensure_chromium(session)
     session.run("python", "-c", "import dask, dask_awkward; print('dask', dask.__version__)")
-    args = session.posargs or ["-m", "not cluster and not ray_only"]
+    args = session.posargs or ["-m", "not cluster and not ray_only and not core_only"]
     session.run("pytest", "-q", "-p", "no:cacheprovider", "--durations=15", *args)
 
 

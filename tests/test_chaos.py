@@ -6,7 +6,11 @@ A, B and C; two deaths.
 
 from __future__ import annotations
 
+import pytest
 from chaos import INLINE_BYTES, Death, RaydagLog, Run, T, expected_recovery
+
+# the state machine alone: the same on every dask version, run by the tests session only
+pytestmark = pytest.mark.core_only
 
 BIG = 2 * INLINE_BYTES
 SPEC = {"a": T(0.1, BIG, 1.0), "b": T(0.1, BIG, 0.0, ("a",)), "c": T(0.1, BIG, 0.0, ("b",))}

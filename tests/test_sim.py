@@ -8,6 +8,9 @@ from simcluster import Cluster, Sim, cpu_seconds_bound, seed_graph
 
 from raydag.core.records import MEMORY
 
+# the state machine alone: the same on every dask version, run by the tests session only
+pytestmark = pytest.mark.core_only
+
 
 @pytest.fixture(scope="module")
 def graph():

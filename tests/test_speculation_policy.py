@@ -22,6 +22,9 @@ from raydag.core.fusion import Fusion
 from raydag.core.speculation import Speculation
 from raydag.core.state import State
 
+# the state machine alone: the same on every dask version, run by the tests session only
+pytestmark = pytest.mark.core_only
+
 DEFAULTS = Speculation(enabled=True)  # raydag.yaml's, as nobody tuned them
 
 

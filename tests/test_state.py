@@ -770,6 +770,7 @@ def run_to_end(d: Driver, pick: Callable[[list], int]) -> None:
 # ---- properties -----------------------------------------------------------------
 
 
+@pytest.mark.core_only
 @SETTINGS
 @given(sc=scenarios(fusion=False), data=st.data())
 def test_random_runs_without_fusion(sc, data):
@@ -780,6 +781,7 @@ def test_random_runs_without_fusion(sc, data):
     d.label()
 
 
+@pytest.mark.core_only
 @SETTINGS
 @given(sc=scenarios(fusion=True), data=st.data())
 def test_random_runs_with_fusion(sc, data):
@@ -789,6 +791,7 @@ def test_random_runs_with_fusion(sc, data):
     d.label()
 
 
+@pytest.mark.core_only
 @SETTINGS
 @given(sc=scenarios(), data=st.data())
 def test_random_capacity_changes(sc, data):
@@ -804,6 +807,7 @@ def test_random_capacity_changes(sc, data):
     d.label()
 
 
+@pytest.mark.core_only
 @pytest.mark.parametrize("fusion", [False, True])
 @SETTINGS
 @given(data=st.data())
@@ -832,6 +836,7 @@ def fail_at_random(d: Driver, data: st.DataObject) -> None:
     d.label()
 
 
+@pytest.mark.core_only
 @pytest.mark.parametrize("fusion", [False, True])
 @SETTINGS
 @given(data=st.data())
@@ -1146,6 +1151,7 @@ def speculative(draw) -> Scenario:
     return sc
 
 
+@pytest.mark.core_only
 @settings(SETTINGS, max_examples=300)
 @given(sc=speculative(), data=st.data())
 def test_random_runs_with_duplicates(sc, data):
@@ -1277,6 +1283,7 @@ class PlacementDriver(Driver):
         self.placed += node is not None
 
 
+@pytest.mark.core_only
 @SETTINGS
 @given(sc=scenarios(), data=st.data())
 def test_random_runs_under_store_pressure(sc, data):
@@ -2170,6 +2177,7 @@ def shuffles(draw) -> Scenario:
     )
 
 
+@pytest.mark.core_only
 @SETTINGS
 @given(sc=shuffles(), data=st.data())
 def test_random_shuffles(sc, data):
@@ -2189,6 +2197,7 @@ def test_random_shuffles(sc, data):
     d.label()
 
 
+@pytest.mark.core_only
 @SETTINGS
 @given(sc=shuffles(), data=st.data())
 def test_random_shuffles_lost_pieces(sc, data):
@@ -2198,6 +2207,7 @@ def test_random_shuffles_lost_pieces(sc, data):
     lose_at_random(Driver(sc), data)
 
 
+@pytest.mark.core_only
 @SETTINGS
 @given(sc=shuffles(), data=st.data())
 def test_random_shuffles_failures(sc, data):
