@@ -374,6 +374,8 @@ def family_run(spec: dict, mode: str, timeout: float) -> dict[str, Any]:
     span = (time.time() - first) if hung else max(ends) - first
     out: dict[str, Any] = {"makespan": span, "wall": wall, "hung": hung}
     out["runs"] = sum(1 for k, *_ in rs if k == "start")
+    # every run's start and end, seconds from the first start (for the JSON)
+    out["log"] = [(k, lab, n[:8], round(t - first, 3)) for k, lab, n, t in rs]
     if mode != "ray_dask_get":
         s = raydag.last_run().summary()
         out["duplicates"], out["won"] = s["duplicates"], s["duplicates_won"]

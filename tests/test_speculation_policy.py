@@ -210,6 +210,45 @@ def test_a_long_task_on_a_node_not_slow_is_not_duplicated_before_overdue():
     assert dup.duplicate and dup.keys == sub.keys and dup.node in {"n1", "n2"}
 
 
+def _overtaken(winner_takes: float) -> State:
+    """f-0 runs on n0 from 10 s, is overdue at 13.15 s (1.5x the category's 2.1 s) and
+    duplicated; the duplicate wins after ``winner_takes`` seconds."""
+    s = make({"f-0": set(), "g-0": {"f-0"}}, ["g-0"], nodes=3)
+    runs = (0.2, "n1"), (2.1, "n1"), (2.0, "n2"), (0.3, "n2"), (1.9, "n1"), (0.2, "n2")
+    for x, n in runs:
+        s.speculator.learn(s.category("f"), x, n)
+    (sub,) = [i for i in s.start() if isinstance(i, Submit)]
+    s.handle(TaskStarted(sub.copy, "n0", 10.0))
+    (dup,) = s.handle(Tick(13.25, {"n1": 1.0, "n2": 1.0}))
+    assert dup.duplicate and dup.node in {"n1", "n2"}
+    s.handle(TaskStarted(dup.copy, dup.node, 13.25))
+    out = s.handle(TaskFinished(dup.copy, {"f-0": winner_takes}, 8, dup.node, 13.25))
+    assert any(isinstance(i, Cancel) and i.copy == sub.copy for i in out)
+    s.validate_state()
+    return s
+
+
+def test_a_copy_overtaken_slow_node_times_over_judges_its_node():
+    """Its copy ran 3.55 s; the same task took 0.3 s elsewhere: n0 is 11.8x slower on
+    the very same inputs, which no longer task could explain. One such pair judges it
+    (ranks need two runs: n0 finished none), and its pace is at least that."""
+    s = _overtaken(0.3)
+    sp = s.speculator
+    assert sp.overtaken["n0"] == [pytest.approx(3.55 / 0.3)]
+    assert sp.slow("n0") and not sp.slow("n1") and not sp.slow("n2")
+    assert sp.pace("n0") >= 3.55 / 0.3 - 1e-6
+    assert s.speculator.withheld() == 1.0  # g-0 goes elsewhere
+
+
+def test_a_copy_overtaken_less_than_slow_node_times_sets_its_pace_only():
+    """Overtaken 2.4x (5.5 s against 2.25 s): not blocked (a 2x node keeps its first
+    copies), but its time left is estimated at pace 2.4, not 1."""
+    s = _overtaken(2.25)
+    sp = s.speculator
+    assert not sp.slow("n0") and sp.withheld() == 0.0
+    assert sp.pace("n0") == pytest.approx(5.5 / 2.25) and sp.pace("n1") == 1.0
+
+
 # ---- random clusters --------------------------------------------------------------
 
 
@@ -238,3 +277,7 @@ def test_random_stragglers(nodes, factor, mix, n, seed):
     assert took <= 1.5 * bound(length, nodes, factor) + 2.5 * max(lengths) + 0.25, took
     if factor == 1.0 and not mix:
         assert not c.judged, c.judged
+    # a copy at nominal speed is never overtaken: a duplicate started later at the same
+    # speed ends later; only the slowed node's copies are
+    assert set(s.speculator.overtaken) <= ({"n0"} if factor > 1 else set())
+    assert all(r <= factor + 1e-6 for r in s.speculator.overtaken.get("n0", ()))
