@@ -310,6 +310,11 @@ FAMILY = [
 ]
 
 
+def scenario_name(nodes: int, factor: float, lengths: str, mix: str) -> str:
+    """``3n 5x short mixed``, ``6n hung short mixed`` (what ``--only`` matches)."""
+    return f"{nodes}n {'hung' if factor == math.inf else f'{factor:g}x'} {lengths} {mix}"
+
+
 def family_spec(nodes: int, factor: float, lengths: str, mix: str, seed: int = 0) -> dict:
     """``work-i`` tasks about 2.5 s of work per node (short) or 9 s (long), and ``total``."""
     rng = random.Random(seed)
@@ -383,11 +388,7 @@ def family_run(spec: dict, mode: str, timeout: float) -> dict[str, Any]:
 
 
 def family(args: argparse.Namespace) -> None:
-    scenarios = [
-        sc
-        for sc in FAMILY
-        if args.only is None or args.only in f"{sc[0]}n {sc[1]}x {sc[2]} {sc[3]}"
-    ]
+    scenarios = [sc for sc in FAMILY if args.only is None or args.only in scenario_name(*sc)]
     header = print_header(
         "speculation: a family of stragglers (issue #17)",
         {
@@ -411,7 +412,7 @@ def family(args: argparse.Namespace) -> None:
             spec = family_spec(nodes, factor, lengths, mix)
             b = family_bound(spec, nodes, factor)
             bound, how = b.seconds, b.how
-            name = f"{nodes}n {'hung' if factor == math.inf else f'{factor:g}x'} {lengths} {mix}"
+            name = scenario_name(nodes, factor, lengths, mix)
             for rep in range(1, args.repeats + 1):
                 got = {m: family_run(spec, m, HANG + 5) for m in ("off", "on", "ray_dask_get")}
                 on, off, rdg = got["on"], got["off"], got["ray_dask_get"]
@@ -473,7 +474,7 @@ def simulated(args: argparse.Namespace) -> None:
             t, state = simulate(state, Cluster(nodes, "n0", factor), length, horizon=HANG)
             took[on] = t if state.done else None
         off = ">" + f"{HANG / bound:.2f}" if took[False] is None else round(took[False] / bound, 2)
-        name = f"{nodes}n {'hung' if factor == math.inf else f'{factor:g}x'} {lengths} {mix}"
+        name = scenario_name(nodes, factor, lengths, mix)
         rows.append([name, len(spec) - 1, round(bound, 2), round(b.fractional, 2), off])
         rows[-1].append(round(took[True] / bound, 2))
         hows.append(f"  {name}: {b.how}")
