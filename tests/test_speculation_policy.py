@@ -193,32 +193,47 @@ def test_hung_node_never_hangs_the_compute():
     assert s.done and took <= 1.3 * bound(length, 3, math.inf), took
 
 
+SIX = [(0.2, "n0"), (2.1, "n0"), (2.0, "n1"), (0.3, "n1"), (1.9, "n2"), (0.2, "n2")]
+
+
+def _running_on_n0(runs: list, deps: dict) -> tuple[State, Submit]:
+    """Three nodes; category f learned ``runs`` (seconds, node); f-0 started on n0 at 10 s."""
+    s = make(deps, [k for k in deps if not any(k in d for d in deps.values())], nodes=3)
+    for x, n in runs:
+        s.speculator.learn(s.category("f"), x, n)
+    (sub,) = [i for i in s.start() if isinstance(i, Submit)]
+    s.handle(TaskStarted(sub.copy, "n0", 10.0))
+    return s, sub
+
+
 def test_a_long_task_on_a_node_not_slow_is_not_duplicated_before_overdue():
     """Mixed category: a task 1.5 s in on a normal node is one of the ~2-s ones, with
     about 0.5 s left, less than a fresh copy would take: no duplicate, though CPUs idle
-    at the tail. Past 1.5x the category's upper end (2.1 s) it is overdue: duplicated,
-    with no min-runtime."""
-    s = make({"f-0": set()}, ["f-0"], nodes=3)
-    runs = (0.2, "n0"), (2.1, "n0"), (2.0, "n1"), (0.3, "n1"), (1.9, "n2"), (0.2, "n2")
-    for x, n in runs:
-        s.speculator.learn(s.category("f"), x, n)
-    (sub,) = [i for i in s.start() if isinstance(i, Submit)]
-    s.handle(TaskStarted(sub.copy, "n0", 10.0))
+    at the tail. Once it has run min-gain (0.25 s) longer than every one of the
+    category's six finished runs (2.1 s) it is overdue: duplicated, no min-runtime."""
+    s, sub = _running_on_n0(SIX, {"f-0": set()})
     assert s.handle(Tick(11.5, {"n1": 1.0, "n2": 1.0})) == []
-    assert s.handle(Tick(12.9, {"n1": 1.0, "n2": 1.0})) == []
-    (dup,) = s.handle(Tick(13.2, {"n1": 1.0, "n2": 1.0}))
+    assert s.handle(Tick(12.3, {"n1": 1.0, "n2": 1.0})) == []
+    (dup,) = s.handle(Tick(12.4, {"n1": 1.0, "n2": 1.0}))
     assert dup.duplicate and dup.keys == sub.keys and dup.node in {"n1", "n2"}
 
 
+def test_with_fewer_runs_than_min_samples_overdue_is_multiplier_times_the_upper_end():
+    """Four finished runs (min-samples 5): the longest of them is no upper end to trust,
+    so a copy past it (2.1 s) but under 1.5x it (3.15 s) is left to run."""
+    s, sub = _running_on_n0(SIX[:4], {"f-0": set()})
+    assert s.handle(Tick(12.5, {"n1": 1.0, "n2": 1.0})) == []
+    assert s.handle(Tick(13.1, {"n1": 1.0, "n2": 1.0})) == []
+    (dup,) = s.handle(Tick(13.2, {"n1": 1.0, "n2": 1.0}))
+    assert dup.duplicate and dup.keys == sub.keys
+
+
 def _overtaken(winner_takes: float) -> State:
-    """f-0 runs on n0 from 10 s, is overdue at 13.15 s (1.5x the category's 2.1 s) and
-    duplicated; the duplicate wins after ``winner_takes`` seconds."""
-    s = make({"f-0": set(), "g-0": {"f-0"}}, ["g-0"], nodes=3)
-    runs = (0.2, "n1"), (2.1, "n1"), (2.0, "n2"), (0.3, "n2"), (1.9, "n1"), (0.2, "n2")
-    for x, n in runs:
-        s.speculator.learn(s.category("f"), x, n)
-    (sub,) = [i for i in s.start() if isinstance(i, Submit)]
-    s.handle(TaskStarted(sub.copy, "n0", 10.0))
+    """f-0 runs on n0 from 10 s, is overdue past 12.35 s (min-gain past the longest of
+    the category's six runs, 2.1 s) and duplicated; the duplicate wins after
+    ``winner_takes`` seconds."""
+    others = [(x, "n1" if i % 2 else "n2") for i, (x, _) in enumerate(SIX)]
+    s, sub = _running_on_n0(others, {"f-0": set(), "g-0": {"f-0"}})
     (dup,) = s.handle(Tick(13.25, {"n1": 1.0, "n2": 1.0}))
     assert dup.duplicate and dup.node in {"n1", "n2"}
     s.handle(TaskStarted(dup.copy, dup.node, 13.25))

@@ -20,8 +20,20 @@ not slow takes ``T``. It is duplicated when its time left exceeds that by
 ``min_gain``. On a node not slow, ``T - e < T``: a copy there is duplicated only once
 *overdue*, past ``multiplier`` times the category's ``quantile`` of nominal runtimes
 (Spark's ``spark.speculation.multiplier``, against the upper end rather than the
-median, so the long half of a mixed category is not taken for stragglers). Neither
-needs ``min_runtime``; a copy of a category with no finished run yet is overdue past
+median, so the long half of a mixed category is not taken for stragglers), or
+``min_gain`` past the longest of them once there are ``min_samples``: a copy longer
+than every finished run of its category is either a task longer than any seen (a
+duplicate then loses, and cost only an idle CPU: duplicates are made only when no first
+copy waits, and ready work cancels them) or runs on a node slower than anyone can tell
+yet (it wins). Spark's multiplier guards CPUs other work could use; here none could;
+``min_gain`` keeps a single-length category's jitter from passing for it. Worked example
+(3 nodes, one 5x, ``f`` mixing 0.2-0.4 s and 1.3-1.8 s): the 5x node ran a 0.35-s task
+in 1.77 s (divided by 3 it ranks at 0.67 of the others' runs, under 0.9: not slow,
+and a normal node's long task would look the same) and is 1.4 s into a 1.3-s task
+when the other two idle; at pace 1 it has 0.2 s left. At 2.01 s, ``min_gain`` past
+the category's longest run (1.76 s), it is overdue and duplicated, 0.6 s before 1.5x
+1.76 would have said so.
+Neither needs ``min_runtime``; a copy of a category with no finished run yet is overdue past
 ``multiplier`` times the longest run of any category (or ``min_runtime``, if shorter),
 and a straggler at once on a slow node. Away from the tail the old rules stay as they were: a category
 known long (mean past ``long_task``) is duplicated from its start, as insurance against
@@ -479,7 +491,8 @@ class Speculator:
             if c.started is None:
                 return None
             ran = s.now - c.started
-            if ran > sp.multiplier * high:  # overdue: past the category's upper end
+            longest = nominal[-1] + sp.min_gain if len(nominal) >= sp.min_samples else math.inf
+            if ran > min(sp.multiplier * high, longest):  # overdue: past the upper end
                 left, fresh = math.inf, high
             else:
                 p = self.pace(c.node)
