@@ -196,21 +196,75 @@ def test_hung_node_never_hangs_the_compute():
     assert s.done and took <= 1.3 * bound(length, 3, math.inf), took
 
 
-def test_a_long_task_on_a_node_not_slow_is_not_duplicated_before_overdue():
-    """Mixed category: a task 1.5 s in on a normal node is one of the ~2-s ones, with
-    about 0.5 s left, less than a fresh copy would take: no duplicate, though CPUs idle
-    at the tail. Past 1.5x the category's upper end (2.1 s) it is overdue: duplicated,
-    with no min-runtime."""
-    s = make({"f-0": set()}, ["f-0"], nodes=3)
-    runs = (0.2, "n0"), (2.1, "n0"), (2.0, "n1"), (0.3, "n1"), (1.9, "n2"), (0.2, "n2")
+SIX = [(0.2, "n0"), (2.1, "n0"), (2.0, "n1"), (0.3, "n1"), (1.9, "n2"), (0.2, "n2")]
+
+
+def _running_on_n0(runs: list, deps: dict) -> tuple[State, Submit]:
+    """Three nodes; category f learned ``runs`` (seconds, node); f-0 started on n0 at 10 s."""
+    s = make(deps, [k for k in deps if not any(k in d for d in deps.values())], nodes=3)
     for x, n in runs:
         s.speculator.learn(s.category("f"), x, n)
     (sub,) = [i for i in s.start() if isinstance(i, Submit)]
     s.handle(TaskStarted(sub.copy, "n0", 10.0))
+    return s, sub
+
+
+def test_a_long_task_on_a_node_not_slow_is_not_duplicated_before_overdue():
+    """Mixed category: a task 1.5 s in on a normal node is one of the ~2-s ones, with
+    about 0.5 s left, less than a fresh copy would take: no duplicate, though CPUs idle
+    at the tail. Once it has run min-gain (0.25 s) longer than every one of the
+    category's six finished runs (2.1 s) it is overdue: duplicated, no min-runtime."""
+    s, sub = _running_on_n0(SIX, {"f-0": set()})
     assert s.handle(Tick(11.5, {"n1": 1.0, "n2": 1.0})) == []
-    assert s.handle(Tick(12.9, {"n1": 1.0, "n2": 1.0})) == []
-    (dup,) = s.handle(Tick(13.2, {"n1": 1.0, "n2": 1.0}))
+    assert s.handle(Tick(12.3, {"n1": 1.0, "n2": 1.0})) == []
+    (dup,) = s.handle(Tick(12.4, {"n1": 1.0, "n2": 1.0}))
     assert dup.duplicate and dup.keys == sub.keys and dup.node in {"n1", "n2"}
+
+
+def test_with_fewer_runs_than_min_samples_overdue_is_multiplier_times_the_upper_end():
+    """Four finished runs (min-samples 5): the longest of them is no upper end to trust,
+    so a copy past it (2.1 s) but under 1.5x it (3.15 s) is left to run."""
+    s, sub = _running_on_n0(SIX[:4], {"f-0": set()})
+    assert s.handle(Tick(12.5, {"n1": 1.0, "n2": 1.0})) == []
+    assert s.handle(Tick(13.1, {"n1": 1.0, "n2": 1.0})) == []
+    (dup,) = s.handle(Tick(13.2, {"n1": 1.0, "n2": 1.0}))
+    assert dup.duplicate and dup.keys == sub.keys
+
+
+def _overtaken(winner_takes: float) -> State:
+    """f-0 runs on n0 from 10 s, is overdue past 12.35 s (min-gain past the longest of
+    the category's six runs, 2.1 s) and duplicated; the duplicate wins after
+    ``winner_takes`` seconds."""
+    others = [(x, "n1" if i % 2 else "n2") for i, (x, _) in enumerate(SIX)]
+    s, sub = _running_on_n0(others, {"f-0": set(), "g-0": {"f-0"}})
+    (dup,) = s.handle(Tick(13.25, {"n1": 1.0, "n2": 1.0}))
+    assert dup.duplicate and dup.node in {"n1", "n2"}
+    s.handle(TaskStarted(dup.copy, dup.node, 13.25))
+    out = s.handle(TaskFinished(dup.copy, {"f-0": winner_takes}, 8, dup.node, 13.25))
+    assert any(isinstance(i, Cancel) and i.copy == sub.copy for i in out)
+    s.validate_state()
+    return s
+
+
+def test_a_copy_overtaken_slow_node_times_over_judges_its_node():
+    """Its copy ran 3.55 s; the same task took 0.3 s elsewhere: n0 is 11.8x slower on
+    the very same inputs, which no longer task could explain. One such pair judges it
+    (ranks need two runs: n0 finished none), and its pace is at least that."""
+    s = _overtaken(0.3)
+    sp = s.speculator
+    assert sp.overtaken["n0"] == [pytest.approx(3.55 / 0.3)]
+    assert sp.slow("n0") and not sp.slow("n1") and not sp.slow("n2")
+    assert sp.pace("n0") >= 3.55 / 0.3 - 1e-6
+    assert s.speculator.withheld() == 1.0  # g-0 goes elsewhere
+
+
+def test_a_copy_overtaken_less_than_slow_node_times_sets_its_pace_only():
+    """Overtaken 2.4x (5.5 s against 2.25 s): not blocked (a 2x node keeps its first
+    copies), but its time left is estimated at pace 2.4, not 1."""
+    s = _overtaken(2.25)
+    sp = s.speculator
+    assert not sp.slow("n0") and sp.withheld() == 0.0
+    assert sp.pace("n0") == pytest.approx(5.5 / 2.25) and sp.pace("n1") == 1.0
 
 
 # ---- random clusters --------------------------------------------------------------
@@ -241,3 +295,7 @@ def test_random_stragglers(nodes, factor, mix, n, seed):
     assert took <= 1.5 * bound(length, nodes, factor) + 2.5 * max(lengths) + 0.25, took
     if factor == 1.0 and not mix:
         assert not c.judged, c.judged
+    # a copy at nominal speed is never overtaken: a duplicate started later at the same
+    # speed ends later; only the slowed node's copies are
+    assert set(s.speculator.overtaken) <= ({"n0"} if factor > 1 else set())
+    assert all(r <= factor + 1e-6 for r in s.speculator.overtaken.get("n0", ()))

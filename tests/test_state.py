@@ -1020,9 +1020,11 @@ class SpecDriver(Driver):
         mean = self.known.get(self.sc.categories[lead])  # every run of it alike
         known_long = sp.long_task is not None and mean is not None and mean >= sp.long_task
         # at the tail a straggler needs no min-runtime: overdue (past multiplier times
-        # its category's runtime), or running on a node judged slow
+        # its category's runtime, or min-gain past it: every run alike), or on a node
+        # judged slow
         on_slow = any(self.state.speculator.slow(self.node[c]) for c in self.live[gid])
-        straggler = on_slow or (mean is not None and ran > sp.multiplier * mean)
+        over = None if mean is None else min(sp.multiplier * mean, mean + sp.min_gain)
+        straggler = on_slow or (over is not None and ran > over)
         straggler = straggler or mean is None  # past 1.5x the longest run of any category
         assert known_long or straggler or ran >= sp.min_runtime, (ran, sub)
         assert len(self.live[gid]) <= sp.max_copies, ("too many copies", sub)

@@ -20,8 +20,20 @@ not slow takes ``T``. It is duplicated when its time left exceeds that by
 ``min_gain``. On a node not slow, ``T - e < T``: a copy there is duplicated only once
 *overdue*, past ``multiplier`` times the category's ``quantile`` of nominal runtimes
 (Spark's ``spark.speculation.multiplier``, against the upper end rather than the
-median, so the long half of a mixed category is not taken for stragglers). Neither
-needs ``min_runtime``; a copy of a category with no finished run yet is overdue past
+median, so the long half of a mixed category is not taken for stragglers), or
+``min_gain`` past the longest of them once there are ``min_samples``: a copy longer
+than every finished run of its category is either a task longer than any seen (a
+duplicate then loses, and cost only an idle CPU: duplicates are made only when no first
+copy waits, and ready work cancels them) or runs on a node slower than anyone can tell
+yet (it wins). Spark's multiplier guards CPUs other work could use; here none could;
+``min_gain`` keeps a single-length category's jitter from passing for it. Worked example
+(3 nodes, one 5x, ``f`` mixing 0.2-0.4 s and 1.3-1.8 s): the 5x node ran a 0.35-s task
+in 1.77 s (divided by 3 it ranks at 0.67 of the others' runs, under 0.9: not slow,
+and a normal node's long task would look the same) and is 1.4 s into a 1.3-s task
+when the other two idle; at pace 1 it has 0.2 s left. At 2.01 s, ``min_gain`` past
+the category's longest run (1.76 s), it is overdue and duplicated, 0.6 s before 1.5x
+1.76 would have said so.
+Neither needs ``min_runtime``; a copy of a category with no finished run yet is overdue past
 ``multiplier`` times the longest run of any category (or ``min_runtime``, if shorter),
 and a straggler at once on a slow node. Away from the tail the old rules stay as they were: a category
 known long (mean past ``long_task``) is duplicated from its start, as insurance against
@@ -46,6 +58,21 @@ work still runs), and after ``block_slow_node`` it is looked at again: it keeps 
 latest run of each category and gets first copies until its new runs judge it again.
 Its pace ``p``, for the time left: the factor at which its runs, divided by it, rank on
 average in the middle of the others' (mean ``u`` one half).
+
+**A copy overtaken on the same task.** When a duplicate wins after ``d`` seconds
+against a copy that had run ``e > d`` seconds, the loser's node ran the very same
+inputs at least ``e / d`` times slower than the winner's (times the winner's pace): no
+longer task, and no mix of lengths, explains that. The ratio is a floor of the node's
+pace ``p`` (so a 2x node, never blocked, has its next straggler's time left estimated
+at 2x), and one ratio of ``slow_node`` or more judges it slow at once: the two ranked
+runs guard against a task longer than any seen, which a pair rules out. Nothing else
+raises the pace of a node not judged slow: in a category mixing lengths, a few runs
+ranked against the others cannot tell a slowed node from one that drew long tasks
+(a normal node that ran one 1.8-s task of a 0.2 s / 1.4 s mix ranks like a 5x one).
+Worked example (6 one-CPU nodes, n0 hung, 17 tasks of 0.2-1.8 s): n0's copy of a
+0.35-s task is duplicated at the tail and overtaken when it has run 3.1 s: 8.9x, n0 is
+slow, and the final task, sent a moment later, goes (soft) to a node not slow rather
+than to the CPU n0's cancelled copy just freed, where it would hang until overdue.
 
 Why these thresholds: ``slow_node`` 3: avoiding a node ``r`` times slower loses at most
 ``1/r`` of one node's work, ``(1/3) / (n - 1 + 1/3)`` of the cluster's (14 % of 3 nodes,
@@ -169,6 +196,9 @@ class Speculator:
         self._others_now: dict[tuple[str, str | None], list[float]] = {}
         self._nominal_now: dict[str, list[float]] = {}
         self._pace_now: dict[str, float] = {}
+        # node -> how many times longer its overtaken copies had run than the duplicate
+        # that won took for the same task: a lower bound of its pace (``finished``)
+        self.overtaken: dict[str, list[float]] = {}
         # (node, CPUs): where a duplicate just won; the next first copies go there
         self.steer: tuple[str, float] | None = None
 
@@ -251,6 +281,7 @@ class Speculator:
             if self.s.now - n.slow_since < sp.block_slow_node:
                 return True
             n.slow_since = None  # looked at again: its latest run of each category stays
+            self.overtaken.pop(node, None)
             for cat in self.s.categories.values():
                 runs = cat.runs_on.get(node)
                 if runs:
@@ -259,7 +290,10 @@ class Speculator:
             self._nominal_now.clear()
         ranks = self._ranks(node, sp.slow_node)  # type: ignore[arg-type]
         slow_runs = sum(u >= self.SLOW_RANK for u in ranks)
-        if slow_runs >= sp.slow_node_runs and slow_runs >= len(ranks) / 3:
+        # one copy overtaken on the same task, slow_node times over, is enough: the
+        # same inputs leave no doubt a longer task could explain
+        paired = max(self.overtaken.get(node, ()), default=0.0) >= sp.slow_node  # type: ignore[operator]
+        if paired or (slow_runs >= sp.slow_node_runs and slow_runs >= len(ranks) / 3):
             n.slow_since = self.s.now
             return True
         return False
@@ -311,22 +345,29 @@ class Speculator:
         return n is not None and n.slow_since is not None
 
     def pace(self, node: str | None) -> float:
-        """How many times slower than the others ``node`` runs: 1 unless slow; else the
-        factor ``r`` at which its runs over ``r`` rank, on average, with the others'."""
-        if not self.slow(node):
+        """How many times slower than the others ``node`` runs, at least 1. A slow node:
+        the factor ``r`` at which its runs over ``r`` rank, on average, with the others'.
+        A node not judged slow: what its overtaken copies showed (the same task, so no
+        mixed lengths blur it), else 1: in a category mixing lengths, a few runs
+        ranked against the others cannot tell a slowed node from one that drew long
+        tasks."""
+        if node is None or self.settings.slow_node is None or not self.enabled:
             return 1.0
-        got = self._pace_now.get(node)  # type: ignore[arg-type]
+        got = self._pace_now.get(node)
+        if got is None and not self.slow(node):
+            got = self._pace_now[node] = max([1.0, *self.overtaken.get(node, ())])
         if got is None:
-            runs = self._evidence(node)  # type: ignore[arg-type]
-            lo, hi = math.log(self.settings.slow_node or 1.0), math.log(1e6)
+            runs = self._evidence(node)
+            floor = max([self.settings.slow_node, *self.overtaken.get(node, ())])
+            lo, hi = math.log(floor), math.log(1e6)
             for _ in range(40):  # the mean rank falls as the factor grows
                 mid = (lo + hi) / 2
-                ranks = self._ranks(node, math.exp(mid), runs)  # type: ignore[arg-type]
+                ranks = self._ranks(node, math.exp(mid), runs)
                 if ranks and sum(ranks) >= len(ranks) / 2:
                     lo = mid
                 else:
                     hi = mid
-            got = self._pace_now[node] = math.exp(lo)  # type: ignore[index]
+            got = self._pace_now[node] = math.exp(lo)
         return got
 
     def withheld(self) -> float:
@@ -450,7 +491,8 @@ class Speculator:
             if c.started is None:
                 return None
             ran = s.now - c.started
-            if ran > sp.multiplier * high:  # overdue: past the category's upper end
+            longest = nominal[-1] + sp.min_gain if len(nominal) >= sp.min_samples else math.inf
+            if ran > min(sp.multiplier * high, longest):  # overdue: past the upper end
                 left, fresh = math.inf, high
             else:
                 p = self.pace(c.node)
@@ -479,10 +521,17 @@ class Speculator:
                 n.free = max(n.free, self.s.cpus(group))
             if losers and self.settings.slow_node is not None and self._may_duplicate(group):
                 cat = self.s.category(self.s.tasks[group.lead].category)
+                took = sum(ev.durations.values())
                 for cid in losers:  # a loser lasted at least this long where it ran
                     c = group.copies[cid]
                     if c.node is not None and c.started is not None:
-                        self._run(cat, c.node, self.s.now - c.started, False)
+                        ran = self.s.now - c.started
+                        self._run(cat, c.node, ran, False)
+                        if winner.duplicate and took > 0 and ran > took:
+                            # the same task: its node is at least ran / took times slower
+                            ratios = self.overtaken.setdefault(c.node, [])
+                            ratios.append(ran / took * self.pace(ev.node))
+                            del ratios[: -self.PACE]
         if winner.duplicate:
             out.append(self._won(group, ev, losers))
         if losers and ev.node is not None:
@@ -692,3 +741,5 @@ class Speculator:
                 assert n.slow_since <= self.s.now + 1e-9, n
         for c in self.s.categories.values():
             assert all(len(runs) <= max(self.PACE, self.SEEDS) for runs in c.runs_on.values())
+        for node, ratios in self.overtaken.items():  # floors of a pace: above 1
+            assert 0 < len(ratios) <= self.PACE and min(ratios) > 1, (node, ratios)
