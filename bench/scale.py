@@ -111,17 +111,14 @@ def build(size: int, kind: str, mark: str) -> tuple[dict, list]:
     layers: dict[str, Layer] = {}
     dsk: dict = {}
     for k, deps in g.dependencies.items():
+        name = key_split(k)
+        many = name in ("combine", "final")  # the fan-ins (a list of inputs, maybe of one)
         if kind == "tiny":
-            fn: Any = leaf if not deps else step if len(deps) == 1 else fanin
+            fn: Any = leaf if not deps else fanin if many else step
         else:
-            name = key_split(k)
-            fn = layers.get(name) or layers.setdefault(name, Layer(name))
-        if not deps:
-            dsk[k] = (fn, mark)
-        elif len(deps) == 1 and not (isinstance(k, str) or k[0].startswith("combine")):
-            dsk[k] = (fn, deps[0])
-        else:
-            dsk[k] = (fn, list(deps))
+            layer = k[0] if isinstance(k, tuple) else k  # a stage of one subgraph
+            fn = layers.get(layer) or layers.setdefault(layer, Layer(layer))
+        dsk[k] = (fn, mark) if not deps else (fn, list(deps)) if many else (fn, deps[0])
     return dsk, list(g.outputs)
 
 
