@@ -14,7 +14,9 @@ Two kinds of task:
 
 Contenders, each in a process of its own (its driver's peak RSS is its own):
 
-  raydag        raydag.ray_get on an embedded Ray (bench/_common.start_ray)
+  raydag        raydag.ray_get on an embedded Ray (bench/_common.start_ray), its run
+                record kept (the default)
+  raydag-norecord  the same with raydag.record.enabled=False: the record's cost
   threads       dask's threaded scheduler (the machine's cores)
   distributed   distributed.LocalCluster(processes=True, n_workers=2, 1 thread each)
                 (skipped, and said so, if distributed is not installed)
@@ -56,7 +58,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 TREE = os.path.dirname(HERE)
 TESTS = os.path.join(TREE, "tests")
-CONTENDERS = ("raydag", "threads", "distributed", "ray_dask_get")
+CONTENDERS = ("raydag", "raydag-norecord", "threads", "distributed", "ray_dask_get")
 
 
 # ---- the tasks (importable as ``scale``: workers import them by reference) ----------
@@ -158,21 +160,23 @@ def child(args: argparse.Namespace) -> None:
     import _common
 
     mark = os.path.join(args.workdir, f"mark-{args.contender}-{os.getpid()}")
-    dsk, outputs = build(args.size, args.kind, mark)
+    import scale  # the tasks by reference, as a library's are: not this __main__'s
+
+    dsk, outputs = scale.build(args.size, args.kind, mark)
     rss_graph = _status("VmRSS")
     phases: dict[str, float] = {}
     prof = None
-    if args.contender in ("raydag", "ray_dask_get"):
+    if args.contender.startswith("raydag") or args.contender == "ray_dask_get":
         import ray
 
         import raydag
 
-        if args.contender == "raydag":
+        if args.contender != "ray_dask_get":
             _common.start_ray()
         else:  # Ray's own settings, as a user of ray_dask_get has them
             _common.start_ray(lambda: ray.init(include_dashboard=False, logging_level="WARNING"))
         ray.get([ray.remote(lambda: 0).remote() for _ in range(4)])  # workers up
-        if args.contender == "raydag":
+        if args.contender != "ray_dask_get":
             from raydag.core import graph as graph_mod
             from raydag.core.state import State
 
@@ -181,6 +185,8 @@ def child(args: argparse.Namespace) -> None:
             _timed(State, "from_graph", phases, "state")
             _timed(State, "start", phases, "state")
             get: Any = raydag.ray_get
+            if args.contender == "raydag-norecord":  # the record's cost, by difference
+                dask.config.set({"raydag.record.enabled": False})
         else:
             from ray.util.dask import ray_dask_get as get
     elif args.contender == "threads":
