@@ -174,7 +174,9 @@ def child(args: argparse.Namespace) -> None:
         if args.contender != "ray_dask_get":
             _common.start_ray()
         else:  # Ray's own settings, as a user of ray_dask_get has them
-            _common.start_ray(lambda: ray.init(include_dashboard=False, logging_level="WARNING"))
+            _common.start_ray(  # a Ray of its own: never a cluster found on the machine
+                lambda: ray.init(address="local", include_dashboard=False, logging_level="WARNING")
+            )
         ray.get([ray.remote(lambda: 0).remote() for _ in range(4)])  # workers up
         if args.contender != "ray_dask_get":
             from raydag.core import graph as graph_mod
@@ -257,12 +259,12 @@ def run_child(contender: str, size: int, kind: str, cap: float, workdir: str, pr
     lines = []
     assert proc.stdout is not None
     ready = None
-    deadline = None
+    deadline = time.time() + SETUP_CAP  # building the graph, starting Ray or the cluster
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     capped = False
     while True:
-        timeout = None if deadline is None else max(0.0, deadline - time.time())
+        timeout = max(0.0, deadline - time.time())
         if not sel.select(timeout):
             capped = True
             break
@@ -375,6 +377,8 @@ def main() -> None:
         info["results"] = results
         _common.write_json(args.json, info)
 
+
+SETUP_CAP = 300.0  # seconds a child may take to be ready to compute
 
 HEADERS = ["tasks", "kind", "contender", "first s", "total s", "x raydag", "peak MB",
            "graph MB", "intake", "order", "state"]  # fmt: skip
