@@ -152,11 +152,13 @@ def test_report_of_a_large_record_in_browser(tmp_path):
     recomputed = int((tasks.wave > 0).sum())
     assert recomputed > 0
     shown = _drawn(tasks, 1_000)
-    assert int((shown.wave > 0).sum()) == recomputed and len(shown) <= 1_000 + recomputed
+    assert len(shown) <= 1_001
+    odd = int((shown.wave > 0).sum())  # every recomputed one, or half the room for them
+    assert odd == recomputed if recomputed <= 500 else 0 < odd <= 501
     with dask.config.set({"raydag.record.report-timeline-tasks": 1_000}):
         html = write_report(rec, tmp_path / "large.html")
     text = html.read_text()
-    assert f"of {len(tasks):,} task executions drawn" in text
+    assert f"{len(shown):,} of {len(tasks):,} task executions drawn" in text
     assert f"{len(tasks):,}" in text  # the summary counts every execution
     check_in_browser(html, tmp_path, figures=4)
     with dask.config.set({"raydag.record.report-timeline-tasks": 10**6}):

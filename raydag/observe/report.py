@@ -254,8 +254,8 @@ def _timeline(
     what = "Tasks over time, per worker process and node (drag to pan, wheel to zoom)"
     if len(shown) < len(tasks):
         what += (
-            f": {len(shown):,} of {len(tasks):,} task executions drawn (every retried, "
-            "recomputed or duplicated one, the rest evenly sampled)"
+            f": {len(shown):,} of {len(tasks):,} task executions drawn (retried, "
+            "recomputed and duplicated ones first, evenly sampled)"
         )
     tasks = shown
     p = figure(
@@ -399,7 +399,8 @@ def _timeline(
 
 def _drawn(tasks: pd.DataFrame, most: int) -> pd.DataFrame:
     """At most about ``most`` of ``tasks`` for the timeline: every unusual one (retried,
-    recomputed, duplicated), and of the rest every n-th by start time. A browser draws
+    recomputed, duplicated; if they are more than half of ``most``, every n-th of them),
+    and of the rest every n-th by start time. A browser draws
     a few tens of thousands of bars at ease; a 330k-task run's would be a page of
     hundreds of megabytes. The summary, the per-category table and the CDF read every
     task."""
@@ -408,10 +409,12 @@ def _drawn(tasks: pd.DataFrame, most: int) -> pd.DataFrame:
     if len(tasks) <= most:
         return tasks
     unusual = (tasks.wave > 0) | (tasks.attempt > 0) | tasks.duplicate
-    rest = tasks[~unusual].sort_values("start")
-    room = max(most - int(unusual.sum()), 1)
+    odd, rest = tasks[unusual], tasks[~unusual].sort_values("start")
+    if len(odd) > most // 2:  # a run of many recoveries: half the room for them, sampled
+        odd = odd.sort_values("start").iloc[:: -(-len(odd) // (most // 2))]
+    room = max(most - len(odd), 1)
     step = -(-len(rest) // room)  # ceil
-    return pd.concat([tasks[unusual], rest.iloc[::step]]).sort_index()
+    return pd.concat([odd, rest.iloc[::step]]).sort_index()
 
 
 def _stores(rec: RunRecord, x_range: Any) -> Any:
