@@ -272,6 +272,7 @@ class Sim:
         poll: float = 0.25,
         validate_every: int = 0,
         profile=None,
+        observers=(),
     ):
         self.g = graph
         self.c = cluster
@@ -279,6 +280,9 @@ class Sim:
         self.poll = poll
         self.validate_every = validate_every
         self.profile = profile
+        # called with every event (None: the start) and its instructions, as the Ray
+        # layer's observers are (a run record: ``Recorder(clock=sim.clock)``)
+        self.observers = list(observers)
         if evictions is None:
             evictions = cluster.eviction_schedule(horizon)
         self.evictions = evictions
@@ -407,6 +411,8 @@ class Sim:
             rec[1] += dt
             if self.validate_every and self.events % self.validate_every == 0:
                 self.state.validate_state()
+        for observe in self.observers:
+            observe(event, out)
         self.carry_out(out)
 
     def carry_out(self, out: list) -> None:
@@ -537,6 +543,10 @@ class Sim:
             self.step(TaskErred(sub.copy, sub.root, RuntimeError("unschedulable"), node_died=True))
         self.slot_node[slot] = -1
         self._push(self.t + self.c.replace_after, "join", slot)
+
+    def clock(self) -> float:
+        """The simulated time (seconds since the start), for a ``Recorder``."""
+        return self.t
 
     def _cpus(self) -> float:
         return float(len(self.alive) * self.c.cpus)

@@ -22,7 +22,7 @@ from simrun import WALL0, Sim
 
 import raydag
 from raydag.observe.record import RunRecord
-from raydag.observe.report import write_report
+from raydag.observe.report import _drawn, write_report
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 FLAGS = [
@@ -126,3 +126,42 @@ def test_empty_report_in_browser(tmp_path):
     html = write_report(RunRecord.merge([]), tmp_path / "empty.html")
     dom = _chromium(html, tmp_path, "--dump-dom")
     assert 'data-raydag-ok="true"' in dom.stdout and "Uncaught" not in dom.stderr
+
+
+def test_report_of_a_large_record_in_browser(tmp_path):
+    """A record of the seed's shape on a simulated 20 x 4 cluster with a node evicted:
+    the timeline draws a sample (every recomputed task among it), the rest counts all."""
+    from simcluster import WALL0 as SIM_WALL0
+    from simcluster import Cluster, seed_graph
+    from simcluster import Sim as ClusterSim
+
+    from raydag.observe.record import Recorder
+
+    graph = seed_graph(6_000, subgraphs=4, combines=10, heavy=0, seed=3)
+    sim = ClusterSim(
+        graph, Cluster(nodes=20, cpus=4), policies=False, evictions=[(1500.0, 3)], poll=1.0
+    )
+    recorder = Recorder(graph, {sim.node_ids[i]: 4 for i in sim.alive}, clock=sim.clock,
+                        wall=SIM_WALL0)  # fmt: skip
+    sim.observers.append(recorder)
+    result = sim.run()
+    assert result.complete and result.waves >= 1
+    rec = recorder.finish()
+    tasks = rec.tasks
+    assert len(tasks) == result.executions > 2_000
+    recomputed = int((tasks.wave > 0).sum())
+    assert recomputed > 0
+    shown = _drawn(tasks, 1_000)
+    assert len(shown) <= 1_001
+    odd = int((shown.wave > 0).sum())  # every recomputed one, or half the room for them
+    assert odd == recomputed if recomputed <= 500 else 0 < odd <= 501
+    with dask.config.set({"raydag.record.report-timeline-tasks": 1_000}):
+        html = write_report(rec, tmp_path / "large.html")
+    text = html.read_text()
+    assert f"{len(shown):,} of {len(tasks):,} task executions drawn" in text
+    assert f"{len(tasks):,}" in text  # the summary counts every execution
+    check_in_browser(html, tmp_path, figures=4)
+    with dask.config.set({"raydag.record.report-timeline-tasks": 10**6}):
+        full = write_report(rec, tmp_path / "full.html")
+    assert "task executions drawn" not in full.read_text()
+    assert html.stat().st_size < full.stat().st_size

@@ -26,7 +26,7 @@ class WorkerDiedError(RuntimeError):
 # ---- instructions (state machine -> Ray layer) ----------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Submit:
     """Run ``keys`` (topological order) as one Ray task, copy ``copy`` of ``group``.
 
@@ -67,14 +67,14 @@ class Submit:
         return self.returns or (self.keys[-1],)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Release:
     """Nothing needs this key's value any more: drop it."""
 
     key: Key
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Cancel:
     """Stop this copy; its result, if any arrives, is ignored.
 
@@ -86,7 +86,7 @@ class Cancel:
     node: str | None = field(default=None, compare=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Fail:
     """The compute has failed: raise ``error``, raised by ``key``."""
 
@@ -94,7 +94,7 @@ class Fail:
     error: Any
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Recover:
     """One recovery wave: ``lost`` results are recomputed, with ``recompute``, at once.
 
@@ -107,7 +107,7 @@ class Recover:
     reason: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class NodeTakenDead:
     """The state machine takes ``node`` for dead (Ray lost a value it held, before
     the cluster said so): nothing more is sent there, and what it held is lost."""
@@ -116,7 +116,7 @@ class NodeTakenDead:
     reason: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Won:
     """A duplicate's result came first; ``losers`` (copies) are cancelled.
 
@@ -136,14 +136,14 @@ class Won:
 # ---- checkpoints (raydag.core.checkpoints) --------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Checkpoint:
     """Write ``key``'s value (in memory) to the checkpoint store, beside its readers."""
 
     key: Key
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DropCheckpoints:
     """The compute is done: remove these keys' checkpoints (written, being written or
     found at the start), once the writes in flight have ended."""
@@ -151,14 +151,14 @@ class DropCheckpoints:
     keys: tuple
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CheckpointsOff:
     """No more checkpoints are written in this compute (the store failed a write)."""
 
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CheckpointIgnored:
     """``key``'s checkpoint could not be read back: its value is computed instead."""
 
@@ -184,7 +184,7 @@ Instruction = (
 # ---- events (Ray layer -> state machine) ----------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TaskFinished:
     """Copy ``copy`` ran to its end on ``node``; ``durations`` of each key it ran."""
 
@@ -200,7 +200,7 @@ class TaskFinished:
     sizes: tuple = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TaskErred:
     """``key`` of copy ``copy`` raised ``error``, or the copy could not run.
 
@@ -215,7 +215,7 @@ class TaskErred:
     node_died: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TaskStarted:
     """Copy ``copy`` began on ``node`` at ``started`` (wall clock, the worker's)."""
 
@@ -224,7 +224,7 @@ class TaskStarted:
     started: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class InputLost:
     """Copy ``copy`` could not fetch inputs ``keys``: Ray says their values are gone."""
 
@@ -233,7 +233,7 @@ class InputLost:
     reason: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class NodeDied:
     """The cluster reports ``node`` dead."""
 
@@ -241,7 +241,7 @@ class NodeDied:
     reason: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ResultsLost:
     """Ray reports these values gone (given values whose node raydag never knew)."""
 
@@ -249,19 +249,19 @@ class ResultsLost:
     reason: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CpusChanged:
     """The cluster's alive nodes now have ``cpus`` CPUs in all."""
 
     cpus: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Aborted:
     """The driver gives up (Ctrl-C): cancel everything, release everything."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Tick:
     """Time passes: ``now`` (wall clock); ``idle``: each alive node's free CPUs now."""
 
@@ -269,7 +269,7 @@ class Tick:
     idle: Mapping[str, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StoresSampled:
     """Every alive node's object store (``(used, capacity)`` bytes) and free CPUs, now.
 
@@ -281,7 +281,7 @@ class StoresSampled:
     idle: Mapping[str, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CheckpointWritten:
     """``key``'s checkpoint is written whole (``nbytes`` in the store)."""
 
@@ -289,7 +289,7 @@ class CheckpointWritten:
     nbytes: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CheckpointFailed:
     """Writing ``key``'s checkpoint failed with ``error`` (a read-only or full store)."""
 

@@ -51,9 +51,12 @@ from raydag.core.events import (
     Recover,
     Release,
     ResultsLost,
+    StoresSampled,
     Submit,
     TaskErred,
     TaskFinished,
+    TaskStarted,
+    Tick,
     Won,
 )
 
@@ -137,6 +140,11 @@ class NodeChange:
     cpus: float = 0.0
 
 
+# Events the replay (``event_rows``) makes no row of: kept only for their instructions.
+# A start note per copy and a tick per poll would be a third of a large run's transcript.
+_SILENT = frozenset({TaskStarted, Tick, StoresSampled})
+
+
 def _describe(error: Any) -> str:
     if isinstance(error, BaseException):
         return f"{type(error).__name__}: {error}"
@@ -181,6 +189,8 @@ class Recorder:
         }
 
     def __call__(self, event: Event | None, instructions: Sequence[Instruction]) -> None:
+        if not instructions and type(event) in _SILENT:  # the replay reads nothing there
+            return
         t = self.clock() - self.t0
         if type(event) is not TaskFinished and (
             event is not None or any(isinstance(i, Fail) for i in instructions)

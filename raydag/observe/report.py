@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from raydag import config
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -37,6 +39,7 @@ ORANGE = "#ff7f0e"
 PURPLE = "#9467bd"
 GREEN = "#2ca02c"
 GREY = "#7f7f7f"
+CDF_POINTS = 2000  # points per runtime CDF line, at most
 
 # Runs in the page before Bokeh: keeps uncaught errors and console.error calls
 # where a test (or a person with the inspector) can find them.
@@ -247,8 +250,16 @@ def _timeline(
     marks = ev[ev.event.isin(["failed", "retried", "cancelled", "lost"])]
     rows = _rows(tasks, has_driver_row=len(marks) > 0)
     height = int(min(1100, max(380, 22 * len(rows) + 200)))
+    shown = _drawn(tasks, int(config.get("record.report-timeline-tasks")))
+    what = "Tasks over time, per worker process and node (drag to pan, wheel to zoom)"
+    if len(shown) < len(tasks):
+        what += (
+            f": {len(shown):,} of {len(tasks):,} task executions drawn (retried, "
+            "recomputed and duplicated ones first, evenly sampled)"
+        )
+    tasks = shown
     p = figure(
-        title="Tasks over time, per worker process and node (drag to pan, wheel to zoom)",
+        title=what,
         y_range=FactorRange(*reversed(rows)) if rows else FactorRange(("none", "none")),
         x_range=x_range,
         height=height,
@@ -384,6 +395,26 @@ def _timeline(
         legend.click_policy = "hide"
         p.add_layout(legend, "below")
     return p, len(rows)
+
+
+def _drawn(tasks: pd.DataFrame, most: int) -> pd.DataFrame:
+    """At most about ``most`` of ``tasks`` for the timeline: every unusual one (retried,
+    recomputed, duplicated; if they are more than half of ``most``, every n-th of them),
+    and of the rest every n-th by start time. A browser draws
+    a few tens of thousands of bars at ease; a 330k-task run's would be a page of
+    hundreds of megabytes. The summary, the per-category table and the CDF read every
+    task."""
+    import pandas as pd
+
+    if len(tasks) <= most:
+        return tasks
+    unusual = (tasks.wave > 0) | (tasks.attempt > 0) | tasks.duplicate
+    odd, rest = tasks[unusual], tasks[~unusual].sort_values("start")
+    if len(odd) > most // 2:  # a run of many recoveries: half the room for them, sampled
+        odd = odd.sort_values("start").iloc[:: -(-len(odd) // (most // 2))]
+    room = max(most - len(odd), 1)
+    step = -(-len(rest) // room)  # ceil
+    return pd.concat([odd, rest.iloc[::step]]).sort_index()
 
 
 def _stores(rec: RunRecord, x_range: Any) -> Any:
@@ -577,6 +608,9 @@ def _cdf(tasks: pd.DataFrame, colours: dict[str, str]) -> Any:
     def line(values: np.ndarray, **kw: Any) -> None:
         x = np.sort(np.maximum(values, floor))
         y = np.arange(1, len(x) + 1) / len(x)
+        if len(x) > CDF_POINTS:  # the same curve to the eye, in a bounded page
+            at = np.unique(np.linspace(0, len(x) - 1, CDF_POINTS).astype(np.int64))
+            x, y = x[at], y[at]
         p.step(x, y, mode="after", **kw)
 
     top = tasks.category.value_counts().head(8).index
