@@ -190,6 +190,22 @@ def test_a_failed_write_turns_checkpoints_off_once():
     assert releases(rest) >= {"c"}
 
 
+def test_a_write_lost_with_its_node_leaves_checkpoints_on():
+    """A write whose worker or node died says nothing of the store: that key is not
+    durable, and the next results are still written."""
+    always = dataclasses.replace(ON, min_cost=0.0)
+    s = make(CHAIN, ["d"], checkpoints=always)
+    (sub,) = submits(s.start())
+    out = finish(s, sub)
+    assert instructions(out, Checkpoint) == [Checkpoint("a")]
+    (sub,) = submits(out)
+    out = s.handle(CheckpointFailed("a", RuntimeError("node died"), lost=True))
+    assert instructions(out, CheckpointsOff) == [] and s.tasks["a"].durable is None
+    out = finish(s, sub)
+    assert instructions(out, Checkpoint) == [Checkpoint("b")]  # still on
+    s.validate_state()
+
+
 # ---- the store ----------------------------------------------------------------------
 
 

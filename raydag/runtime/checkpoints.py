@@ -365,9 +365,10 @@ class Checkpointing:
             return CheckpointWritten(key, int(ray.get(ref)))
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if isinstance(e.cause, BaseException) else e
-            return CheckpointFailed(key, cause)
-        except ray.exceptions.RayError as e:
-            return CheckpointFailed(key, e)
+            # the store's own error, or Ray's (the value to write lost with its node)
+            return CheckpointFailed(key, cause, lost=isinstance(cause, ray.exceptions.RayError))
+        except ray.exceptions.RayError as e:  # its worker or node died
+            return CheckpointFailed(key, e, lost=True)
 
     def read_back(self, key: Key) -> ReadBack:
         return ReadBack(key, self.store, self.names[key])
