@@ -315,17 +315,77 @@ def _manifests(store) -> int:
 
 
 @pytest.mark.cluster
-def test_driver_killed_mid_compute_reruns_from_its_checkpoints(tmp_path):
-    """On a Ray of its own: the objects a SIGKILLed driver owned stay in the store of the
-    cluster it ran on, which would fail every later test's check of an empty store."""
+@pytest.mark.slow
+def test_a_killed_node_loses_a_checkpointed_and_an_uncheckpointed_input(clusters, tmp_path):
+    """Two one-CPU nodes: ``ck`` (its category checkpointed) and ``plain`` (not; it reads
+    ``ck``) run on one node, while ``gate`` holds the other; ``final`` reads all three.
+    That node is killed once ``ck`` is written: ``ck`` is read back (it runs once, by the
+    tasks' own log), ``plain`` is recomputed from it, the result is the same."""
     import os
 
-    from harness import MultiNodeCluster
+    import dask
+    import numpy as np
+    from chaos import (
+        Background,
+        MiB,
+        T,
+        assert_stores_empty,
+        build,
+        completions,
+        ensure_nodes,
+        kill,
+        runs,
+        wait_until,
+    )
+    from checkpoint_job import gate
+    from dask._task_spec import Task
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    with MultiNodeCluster(nodes=0) as c:  # its workers import checkpoint_job from here
-        c.add_node(cpus=2, env_vars={"PYTHONPATH": os.pathsep.join([here, os.path.dirname(here)])})
-        _driver_killed_then_rerun(tmp_path)
+    import raydag
+
+    c = clusters.get()
+    ensure_nodes(c, 2)
+    log, opened, store = str(tmp_path / "runs.log"), str(tmp_path / "open"), tmp_path / "store"
+    spec = {
+        "ck": T(0.3, MiB, 1.0),
+        "plain": T(0.3, MiB, 2.0, ("ck",)),
+        "final": T(0.05, 8, 0.0, ("ck", "plain", "gate")),
+    }
+    dsk = build({k: t for k, t in spec.items() if k != "final"}, log)
+    dsk["gate"] = Task("gate", gate, opened)
+    dsk["final"] = build({"final": spec["final"]}, log)["final"]
+    conf = {
+        "raydag.checkpoint.store": str(store),
+        "raydag.checkpoint.categories": ["ck"],
+        "raydag.checkpoint.min-cost": "1 hour",  # only ck's category is written
+        "raydag.fusion.enabled": False,  # ck and plain each a Ray task of their own
+    }
+    with dask.config.set(conf):
+        bg = Background(lambda: raydag.ray_get(dsk, "final"))
+        wait_until(lambda: _manifests(store) == 1, "ck's checkpoint", bg)
+        wait_until(lambda: completions(log)["plain"] == 1, "plain", bg)
+        where = {r.label: r.node for r in runs(log)}
+        assert where["ck"] == where["plain"], where  # the gate holds the other CPU
+        kill(c, where["ck"])
+        open(opened, "w").close()
+        result = bg.result(120)
+    np.testing.assert_array_equal(result, np.full(1, 1.0 + (2.0 + 1.0)))
+    done = completions(log)
+    assert done == {"ck": 1, "plain": 2, "final": 1}, done  # ck read back, not rerun
+    assert not os.listdir(store)  # a finished compute's checkpoints are removed
+    del result
+    assert_stores_empty()
+
+
+@pytest.mark.cluster
+def test_driver_killed_mid_compute_reruns_from_its_checkpoints(clusters, tmp_path):
+    """On the module's multi-node cluster, after the node-death test: the objects a
+    SIGKILLed driver owned stay in the store of the cluster it ran on, which would fail
+    a later test's check of an empty store (the shared embedded Ray is not touched)."""
+    from chaos import ensure_nodes
+
+    c = clusters.get()  # its workers import checkpoint_job from tests/ (chaos.Clusters)
+    ensure_nodes(c, 2)
+    _driver_killed_then_rerun(tmp_path)
 
 
 def _driver_killed_then_rerun(tmp_path):
