@@ -269,6 +269,82 @@ def test_names_change_with_the_task_its_inputs_and_raydag_version(monkeypatch):
     assert not set(names(graph("log")).values()) & set(base.values())
 
 
+def test_stale_and_foreign_checkpoints_are_never_used_silently(tmp_path, caplog, monkeypatch):
+    """Found: only this graph's names. A key's file under another fingerprint (another
+    task, another raydag version) is not found but counted and warned of; a manifest of
+    another raydag version under the very name is refused when read."""
+    import json
+
+    from checkpoint_job import graph
+    from dask._task_spec import convert_legacy_graph
+
+    from raydag.runtime import checkpoints
+
+    def names():
+        tasks = convert_legacy_graph(graph("log", n=2))
+        return checkpoints.names(tasks, {k: t.dependencies for k, t in tasks.items()})
+
+    url = str(tmp_path / "store")
+    store = checkpoints.CheckpointStore(url)
+    store.open()
+    ours = names()
+    store.write(ours["load-0"], 1, {"key": "load-0"})
+    store.write(f"{checkpoints.key_token('proc-0')}-0123456789abcdef0123", 2, {"key": "proc-0"})
+    store.write("ffffffffffffffffffff-0123456789abcdef0123", 3, {"key": "another graph's"})
+    with caplog.at_level("WARNING", logger="raydag"):
+        _, found, partial = checkpoints.open_store(url, ours, resume=True)
+    assert found == {"load-0"} and partial == []
+    (warned,) = [r.getMessage() for r in caplog.records]
+    assert "ignoring 1 checkpoint files" in warned and "stale" in warned
+    caplog.clear()
+    monkeypatch.setattr(checkpoints, "version", lambda: "9.9")  # another raydag version
+    with caplog.at_level("WARNING", logger="raydag"):
+        _, found, _ = checkpoints.open_store(url, names(), resume=True)
+    assert found == set()
+    assert any("ignoring 2 checkpoint files" in r.getMessage() for r in caplog.records)
+    monkeypatch.undo()
+    manifest = tmp_path / "store" / f"{ours['load-0']}.json"
+    meta = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**meta, "raydag": "0.0.1"}))
+    with pytest.raises(checkpoints.CheckpointError, match="written by raydag 0.0.1"):
+        store.read(ours["load-0"])
+
+
+def test_a_full_store_fails_the_write_and_leaves_nothing_behind(tmp_path):
+    """A store that fills up mid-write (ENOSPC): the write raises (the Ray layer reports
+    it, and checkpoints go off), and no partial file stays."""
+    import errno
+
+    import numpy as np
+    from fsspec.implementations.local import LocalFileSystem
+
+    from raydag.runtime.checkpoints import CheckpointStore
+
+    class Full(LocalFileSystem):
+        def _open(self, path, mode="rb", **kwargs):
+            f = super()._open(path, mode, **kwargs)
+            if "w" in mode:
+                room = [1000]
+                write = f.write
+
+                def limited(data):
+                    room[0] -= memoryview(data).nbytes
+                    if room[0] < 0:
+                        raise OSError(errno.ENOSPC, "No space left on device")
+                    return write(data)
+
+                f.write = limited
+            return f
+
+    store = CheckpointStore(str(tmp_path / "store"))
+    store.open()
+    store._fs = Full()
+    with pytest.raises(OSError, match="No space left"):
+        store.write("aaaa-1111", np.zeros(10_000), {"key": "x"})
+    assert list((tmp_path / "store").iterdir()) == []
+    assert store.write("bbbb-2222", 1, {"key": "small"}) > 0  # what fits is written
+
+
 def test_the_command_lists_and_cleans_a_store(tmp_path, capsys):
     import time
 
