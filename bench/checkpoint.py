@@ -229,6 +229,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--two-kills", action="store_true", help="(b) only, on a multi-node cluster")
+    ap.add_argument("--only", choices=("cost", "kill"), help="(c) or (a) alone")
     args = ap.parse_args()
     if args.two_kills:
         results = two_kills(args.repeat)
@@ -252,60 +253,64 @@ def main() -> None:
     results: dict = {"header": head, "cost": {}, "kill": []}
     try:
         one_run(work, "off", 2, 0.01)  # warm the workers
-        cost: dict = {"off": [], "0s": [], f"{sec}s": []}
-        for _ in range(args.repeat):
-            for mode in cost:
-                cost[mode].append(one_run(work, mode, n, sec)["s"])
-        base = statistics.median(cost["off"])
-        rows = [
-            [mode, statistics.median(v), statistics.median(v) / base, len(v)]
-            for mode, v in cost.items()
-        ]
-        print("(c) failure-free runs, checkpoints off / min-cost 0 / min-cost SECONDS")
-        print(_common.table(["checkpoints", "median s", "/ off", "n"], rows))
-        results["cost"] = cost
-        rows = []
-        for _ in range(args.repeat):
-            empty = one_run(work, "off", 2, 0.0)  # a driver's fixed cost: start, connect
-            whole = one_run(work, "0s", n, sec)
-            first = one_run(work, "0s", n, sec, kill_after=0.8 * whole["wall"])
-            rerun = one_run(work, "0s", n, sec)
-            rows.append(
-                [
-                    empty["wall"],
-                    whole["wall"],
-                    first["wall"],
-                    rerun["wall"],
-                    rerun["wall"] / whole["wall"],
-                    rerun["s"] / whole["s"],
-                    (first["wall"] + rerun["wall"]) / whole["wall"],
-                    f"{first['ran']}+{rerun['ran']}/{whole['tasks']}",
-                ]
+        if args.only in (None, "cost"):
+            cost: dict = {"off": [], "0s": [], f"{sec}s": []}
+            for _ in range(args.repeat):
+                for mode in cost:
+                    cost[mode].append(one_run(work, mode, n, sec)["s"])
+            base = statistics.median(cost["off"])
+            rows = [
+                [mode, statistics.median(v), statistics.median(v) / base, len(v)]
+                for mode, v in cost.items()
+            ]
+            print("(c) failure-free runs, checkpoints off / min-cost 0 / min-cost SECONDS")
+            print(_common.table(["checkpoints", "median s", "/ off", "n"], rows))
+            results["cost"] = cost
+        if args.only in (None, "kill"):
+            rows = []
+            for _ in range(args.repeat):
+                empty = one_run(work, "off", 2, 0.0)  # a driver's fixed cost: start, connect
+                whole = one_run(work, "0s", n, sec)
+                first = one_run(work, "0s", n, sec, kill_after=0.8 * whole["wall"])
+                rerun = one_run(work, "0s", n, sec)
+                rows.append(
+                    [
+                        empty["wall"],
+                        whole["wall"],
+                        first["wall"],
+                        rerun["wall"],
+                        rerun["wall"] / whole["wall"],
+                        rerun["s"] / whole["s"],
+                        (first["wall"] + rerun["wall"]) / whole["wall"],
+                        f"{first['ran']}+{rerun['ran']}/{whole['tasks']}",
+                    ]
+                )
+                results["kill"].append(
+                    {"empty": empty, "whole": whole, "first": first, "rerun": rerun}
+                )
+            print(
+                "(a) driver SIGKILLed at 80% of an uninterrupted run's wall time, then rerun "
+                "(wall: the driver process's start to its end)"
             )
-            results["kill"].append({"empty": empty, "whole": whole, "first": first, "rerun": rerun})
-        print(
-            "(a) driver SIGKILLed at 80% of an uninterrupted run's wall time, then rerun "
-            "(wall: the driver process's start to its end)"
-        )
-        print(
-            _common.table(
-                [
-                    "empty s",
-                    "whole s",
-                    "killed s",
-                    "rerun s",
-                    "rerun / whole",
-                    "compute only",
-                    "both / whole",
-                    "tasks run",
-                ],
-                rows,
+            print(
+                _common.table(
+                    [
+                        "empty s",
+                        "whole s",
+                        "killed s",
+                        "rerun s",
+                        "rerun / whole",
+                        "compute only",
+                        "both / whole",
+                        "tasks run",
+                    ],
+                    rows,
+                )
             )
-        )
-        print(
-            "empty: a driver computing 2 tasks of 0 s (the fixed cost of any run); compute"
-            "\nonly: the rerun's raydag.get time over the uninterrupted run's"
-        )
+            print(
+                "empty: a driver computing 2 tasks of 0 s (the fixed cost of any run); compute"
+                "\nonly: the rerun's raydag.get time over the uninterrupted run's"
+            )
         print("load avg at the end: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
     finally:
         shutil.rmtree(work, ignore_errors=True)
