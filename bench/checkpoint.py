@@ -239,7 +239,7 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])
     for attempt in range(3):  # a raylet can time out starting on a loaded machine
         try:
-            ray.init(num_cpus=2, include_dashboard=False)
+            ray.init(address="local", num_cpus=2, include_dashboard=False)  # its own, not one found
             break
         except Exception:
             ray.shutdown()
