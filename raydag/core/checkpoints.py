@@ -16,9 +16,9 @@ outlives both (a directory, a shared filesystem, an object store: any fsspec URL
   more is written once ``max_size`` bytes were, or once the store refused a write
   (``CheckpointsOff``: a read-only or full store is reported once and the compute goes
   on without); a write lost with its node (the death recovery handles) is no reason to.
-- **how**: ``Checkpoint(key)`` once the value is in memory; the Ray layer writes it
-  beside the value's readers (by a writer process on the value's node), so the readers
-  never wait for the write and a failed write fails no task. The write reports ``CheckpointWritten`` or
+- **how**: ``Checkpoint(key)`` once the value is in memory; the Ray layer writes it in a
+  small Ray task of its own that reads the object, so the value's readers never wait for
+  the write and a failed write fails no task. The write reports ``CheckpointWritten`` or
   ``CheckpointFailed``.
 - **reading back**: a key with a whole checkpoint (written here, or found in the store
   at the start: ``checkpointed``) that must be made again is *cut*: it reads nothing,

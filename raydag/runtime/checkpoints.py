@@ -277,29 +277,8 @@ def write_checkpoint(store: CheckpointStore, name: str, meta: dict, value: Any) 
 
 
 # A checkpoint is written beside the value's readers: no CPU of theirs (it waits on
-# I/O), no retry (a failed write is reported, and checkpoints go off). A value whose
-# node is unknown (inline in its owner) is written by such a task.
+# I/O), no retry (a failed write is reported, and checkpoints go off).
 remote_write = ray.remote(num_cpus=0, max_retries=0)(write_checkpoint)
-
-
-class Writer:
-    """One node's checkpoint writer, for one compute: a process of its own that writes
-    the node's values as they come (``WRITES_AT_ONCE`` at a time, threads: a write waits
-    on I/O and hashing, both outside the GIL).
-
-    Why an actor and not a task per write: a task with no CPU still needs a worker
-    process, and the node's workers are busy with the compute's tasks, so Ray starts one
-    for the write; idle a second later, beyond the node's CPU count, it is ended again.
-    Writes spaced out (one per long task) each paid a worker's start (a second of CPU
-    or more, taken from the compute on a small node, and on a one-CPU node it holds up
-    the start of the compute's own workers). The writer starts once per node.
-    """
-
-    def write(self, store: CheckpointStore, name: str, meta: dict, value: Any) -> int:
-        return store.write(name, value, meta)
-
-
-WRITES_AT_ONCE = 2
 
 
 class ReadBack:
@@ -375,45 +354,13 @@ class Checkpointing:
         self.names = names
         self.partial = list(partial)  # this graph's partial checkpoints found at the start
         self.writes: dict[ray.ObjectRef, Key] = {}  # by the write task's ref
-        self.writers: dict[str, Any] = {}  # node -> its Writer
 
-    def write(self, key: Key, ref: ray.ObjectRef, node: str | None = None) -> ray.ObjectRef:
-        """Start writing ``key``'s value, held on ``node`` (None: unknown), beside its
-        readers; the write's ref, for the loop to watch."""
+    def write(self, key: Key, ref: ray.ObjectRef) -> ray.ObjectRef:
+        """Start writing ``key``'s value; the write task's ref, for the loop to watch."""
         meta = {"key": repr(key)}
-        if node is None:
-            write = remote_write.remote(self.store, self.names[key], meta, ref)
-        else:
-            write = self._writer(node).write.remote(self.store, self.names[key], meta, ref)
+        write = remote_write.remote(self.store, self.names[key], meta, ref)
         self.writes[write] = key
         return write
-
-    def _writer(self, node: str) -> Any:
-        """``node``'s writer, started on its first write (there only: a write elsewhere
-        would fetch the value over the network first)."""
-        if node not in self.writers:
-            from raydag.compat import node_affinity
-
-            self.writers[node] = (
-                ray.remote(Writer)
-                .options(
-                    num_cpus=0,
-                    max_concurrency=WRITES_AT_ONCE,
-                    max_restarts=0,
-                    scheduling_strategy=node_affinity(node, soft=False),
-                )
-                .remote()
-            )
-        return self.writers[node]
-
-    def close(self) -> None:
-        """End the writers once their writes in flight are done (the compute is over:
-        nothing is waited for here; a compute interrupted keeps what is being written)."""
-        from raydag.compat import end_actor
-
-        for writer in self.writers.values():
-            end_actor(writer)
-        self.writers.clear()
 
     def ended(self, ref: ray.ObjectRef) -> Any:
         """The event a finished write means."""
