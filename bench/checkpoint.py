@@ -5,22 +5,41 @@ The compute is ``tests/checkpoint_job.py``'s, scaled down from the founding user
 shape: N loads and N processings of SECONDS each (the long tasks), pairs summed, one
 total (80 KB arrays). Each run is a driver process of its own, connected to one local
 Ray cluster this script starts (so a SIGKILLed driver loses its objects, as a killed
-login node would, and the cluster stays). Times are the compute's own (``raydag.get``,
-measured in the driver), but for a killed driver: its wall time from its start.
+login node would, and the cluster stays).
 
-  (a) kill   a driver SIGKILLed once 80% of its tasks have run, then run again: the
-             rerun's time and both together, against an uninterrupted run (all with
-             checkpoints at min-cost 0: every result written)
-  (c) cost   uninterrupted runs with checkpoints off, at min-cost 0 (every result
+  (a) kill   a driver SIGKILLed at 80% of an uninterrupted run's wall time (measured
+             just before, in the same round), then run again: the rerun's wall time
+             (its process's start to its end: the driver's start and connect, listing
+             the store, reading back, computing the rest) and both together, against
+             the uninterrupted run's, measured the same way; all with checkpoints at
+             min-cost 0 (every result written). The issue's target is about the work
+             redone; a driver's fixed cost (a new Ray job starts its own worker
+             processes) is shown beside, as a driver computing 2 empty tasks
+  (c) cost   uninterrupted runs with checkpoints off, on with nothing worth writing
+             (min-cost 1 hour: the fixed cost), at min-cost 0 (every result
              written: the worst case) and at SECONDS (the long tasks' results),
              interleaved, ``--repeat`` times
 
+  (b) kills  ``--two-kills``: on a ``tests/harness.py`` cluster (a head without CPUs,
+             3 one-CPU nodes), ``bench/recovery.py``'s skim scaled down with long tasks
+             (SUBGRAPHS subgraphs of FAN inputs, LONG_READS reads of LONG_SECONDS each
+             in every subgraph) and its two-kill schedule (the busiest node SIGKILLed at
+             50% and 80% of the tasks done, each replaced 2 s later); failure-free and
+             two-kill runs with checkpoints off and on (min-cost MIN_COST: the long
+             reads are written, the 2-ms steps below them are not), interleaved:
+             makespan against the failure-free run's, and tasks re-executed. The
+             checkpoint store is a directory under /tmp: every node of this one-machine
+             cluster reads and writes it (on a real cluster: a shared filesystem or an
+             object store every node reaches)
+
     python bench/checkpoint.py [--n 12] [--seconds 1.0] [--repeat 3] [--json out.json]
+    python bench/checkpoint.py --two-kills [--repeat 2] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import signal
@@ -49,8 +68,10 @@ def env() -> dict:
     return e
 
 
-def one_run(work: str, min_cost: str, n: int, seconds: float, kill_at: float = 0.0) -> dict:
-    """One driver; ``kill_at``: SIGKILL it once that fraction of the tasks ran."""
+def one_run(work: str, min_cost: str, n: int, seconds: float, kill_after: float = 0.0) -> dict:
+    """One driver process; ``kill_after``: SIGKILL it that many seconds after its start.
+    ``wall``: from the process's start to its end (what a user waits: the driver's
+    start, connect and the compute); ``s``: the compute's own time (``raydag.get``)."""
     store, log, out = (os.path.join(work, x) for x in ("store", "ran.log", "out.npy"))
     tasks = len(checkpoint_job.graph(log, n, seconds))
     if os.path.exists(log):
@@ -62,10 +83,10 @@ def one_run(work: str, min_cost: str, n: int, seconds: float, kill_at: float = 0
         stderr=subprocess.DEVNULL,
     )
     killed = False
-    if kill_at:
-        while p.poll() is None and len(checkpoint_job.ran(log)) < kill_at * tasks:
-            time.sleep(0.02)
-        if p.poll() is None:
+    if kill_after:
+        try:
+            p.wait(kill_after)
+        except subprocess.TimeoutExpired:
             os.kill(p.pid, signal.SIGKILL)
             killed = True
     p.wait()
@@ -76,8 +97,130 @@ def one_run(work: str, min_cost: str, n: int, seconds: float, kill_at: float = 0
     if not killed:  # the compute's own time (the driver's start and connect left out)
         with open(f"{out}.seconds") as f:
             compute = float(f.read())
-    ran = len(checkpoint_job.ran(log))
-    return {"s": compute, "wall": wall, "ran": ran, "tasks": tasks, "killed": killed}
+    ran = checkpoint_job.ran(log)
+    if killed:  # its tasks still running end with its job: count them with it
+        time.sleep(seconds)
+        ran = checkpoint_job.ran(log)
+    return {"s": compute, "wall": wall, "ran": len(ran), "tasks": tasks, "killed": killed}
+
+
+SUBGRAPHS, FAN, LONG_READS, LONG_SECONDS, MIN_COST = 12, 24, 2, 5.0, "2s"
+
+
+def deaths_cost(log: str, deaths: list, nodes: int) -> float:
+    """What the deaths cost whatever is recomputed, in makespan (an estimate with
+    perfect balance): each dead node's CPU missing from its kill until its replacement
+    runs its first task, and the work its running tasks had done, lost; over the
+    ``nodes`` CPUs."""
+    from chaos import runs
+
+    done = runs(log)
+    lost = 0.0
+    for node, t_kill in deaths:
+        before = {r.node for r in done if r.start < t_kill}
+        fresh = [r.start for r in done if r.node not in before and r.start > t_kill]
+        lost += (min(fresh) if fresh else t_kill) - t_kill
+        lost += sum(t_kill - r.start for r in done if r.node == node and r.end is None)
+    return lost / nodes
+
+
+def two_kills(repeat: int) -> dict:
+    """(b): makespans and re-executions, checkpoints off and on, failure-free and under
+    the two-kill schedule, interleaved on one cluster."""
+    import logging
+
+    import recovery
+
+    logging.getLogger("raydag").setLevel(logging.WARNING)
+    logging.getLogger("raydag").propagate = False
+    spec = recovery.skim(
+        SUBGRAPHS, FAN, tuple(range(SUBGRAPHS)), long_seconds=LONG_SECONDS, long_reads=LONG_READS
+    )
+    work = tempfile.mkdtemp(prefix="rdg-bench-ckpt-", dir="/tmp")
+    b = recovery.Bench(work)
+    modes = ("off", "on")
+    try:
+        b.cluster()
+        head = _common.print_header(
+            "bench/checkpoint.py --two-kills",
+            {
+                "cluster": "head (0 CPU) + 3 nodes x 1 CPU; a killed node is replaced "
+                f"{recovery.REPLACE_AFTER:g} s later",
+                "skim": f"{len(spec)} tasks: {SUBGRAPHS} subgraphs x {FAN} inputs, "
+                f"{LONG_READS} reads of {LONG_SECONDS:g} s in each",
+                "checkpoints": f"min-cost {MIN_COST}, store a local directory (one machine: "
+                "every node reaches it)",
+            },
+        )
+        for i in range(repeat):
+            for mode in modes:
+                for label in ("free", "two kills"):
+                    chaos = recovery.kills_at((0.5, 0.8), len(spec)) if label != "free" else None
+                    conf: dict = {"raydag.checkpoint.enabled": False}
+                    if mode == "on":  # a store of its own per run: nothing to resume from
+                        store = os.path.join(work, f"store-{i}-{label}")
+                        conf = {"raydag.checkpoint.store": store}
+                        conf["raydag.checkpoint.min-cost"] = MIN_COST
+                    r = b.run(f"skim {label}", f"ckpt {mode}", spec, ["skim"], chaos, config=conf)
+                    if chaos is not None:
+                        r.extra["deaths cost"] = deaths_cost(r.extra["log"], r.extra["deaths"], 3)
+    finally:
+        b.close()
+        shutil.rmtree(work, ignore_errors=True)
+    rows = []
+    free_off = statistics.median(
+        r.wall for r in b.results if r.run == "free" and r.contender == "ckpt off"
+    )
+    for mode in modes:
+        mine = [r for r in b.results if r.contender == f"ckpt {mode}"]
+        free = statistics.median(r.wall for r in mine if r.run == "free")
+        for run in ("free", "faults"):
+            rs = [r for r in mine if r.run == run]
+            walls = [r.wall for r in rs if r.outcome == "ok"]
+            med = statistics.median(walls) if walls else None
+            dc = [r.extra["deaths cost"] for r in rs if "deaths cost" in r.extra]
+            deaths = statistics.median(dc) if dc else 0.0
+            rows.append(
+                [
+                    mode,
+                    "two kills" if run == "faults" else "none",
+                    f"{len(walls)}/{len(rs)}",
+                    med,
+                    med / free if med else None,
+                    med / free_off if med else None,
+                    deaths,
+                    (med - deaths) / free if med else None,
+                    " ".join(str(r.reexecuted) for r in rs),
+                    " ".join(str(r.minimum) for r in rs),
+                ]
+            )
+    print("(b) the two-kill schedule, checkpoints off and on")
+    print(
+        _common.table(
+            [
+                "checkpoints",
+                "kills",
+                "ok",
+                "median s",
+                "x own free",
+                "x free (off)",
+                "deaths s",
+                "x own free, less deaths",
+                "re-executed",
+                "minimum (no ckpt)",
+            ],
+            rows,
+        )
+    )
+    print(
+        "deaths s: the deaths' own cost in makespan, whatever is recomputed (median; each"
+        "\nkilled node's CPU missing until its replacement runs a task, plus the work its"
+        "\nrunning tasks had done, over 3 CPUs); re-executed: finished runs beyond one per"
+        "\ntask (reads back of checkpoints are not runs); minimum: what the deaths make"
+        "\nnecessary without checkpoints (tests/chaos.py)"
+    )
+    print("load avg at the end: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
+    return {"header": head, "results": [dataclasses.asdict(r) for r in b.results]}
 
 
 def main() -> None:
@@ -86,11 +229,18 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=1.0)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--two-kills", action="store_true", help="(b) only, on a multi-node cluster")
+    ap.add_argument("--only", choices=("cost", "kill"), help="(c) or (a) alone")
     args = ap.parse_args()
+    if args.two_kills:
+        results = two_kills(args.repeat)
+        if args.json:
+            _common.write_json(args.json, results)
+        return
     os.environ["PYTHONPATH"] = os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])
     for attempt in range(3):  # a raylet can time out starting on a loaded machine
         try:
-            ray.init(num_cpus=2, include_dashboard=False)
+            ray.init(address="local", num_cpus=2, include_dashboard=False)  # its own, not one found
             break
         except Exception:
             ray.shutdown()
@@ -104,42 +254,70 @@ def main() -> None:
     results: dict = {"header": head, "cost": {}, "kill": []}
     try:
         one_run(work, "off", 2, 0.01)  # warm the workers
-        cost: dict = {"off": [], "0s": [], f"{sec}s": []}
-        for _ in range(args.repeat):
-            for mode in cost:
-                cost[mode].append(one_run(work, mode, n, sec)["s"])
-        base = statistics.median(cost["off"])
-        rows = [
-            [mode, statistics.median(v), statistics.median(v) / base, len(v)]
-            for mode, v in cost.items()
-        ]
-        print("(c) failure-free runs, checkpoints off / min-cost 0 / min-cost SECONDS")
-        print(_common.table(["checkpoints", "median s", "/ off", "n"], rows))
-        results["cost"] = cost
-        rows = []
-        for _ in range(args.repeat):
-            whole = one_run(work, "0s", n, sec)
-            first = one_run(work, "0s", n, sec, kill_at=0.8)
-            rerun = one_run(work, "0s", n, sec)
-            both = first["s"] + rerun["s"]
-            rows.append(
-                [
-                    whole["s"],
-                    first["s"],  # killed: its wall time
-                    rerun["s"],
-                    rerun["s"] / whole["s"],
-                    both / whole["s"],
-                    f"{first['ran']}+{rerun['ran']}/{whole['tasks']}",
-                ]
+        if args.only in (None, "cost"):
+            # 3600s: on, nothing worth writing (the fixed cost: names, the store's probe
+            # and listing)
+            cost: dict = {"off": [], "3600s": [], "0s": [], f"{sec}s": []}
+            for _ in range(args.repeat):
+                for mode in cost:
+                    cost[mode].append(one_run(work, mode, n, sec)["s"])
+            base = statistics.median(cost["off"])
+            rows = [
+                [mode, statistics.median(v), statistics.median(v) / base, len(v)]
+                for mode, v in cost.items()
+            ]
+            print(
+                "(c) failure-free runs, checkpoints off / on, nothing written (min-cost 1 h) /"
+                " min-cost 0 / min-cost SECONDS"
             )
-            results["kill"].append({"whole": whole, "first": first, "rerun": rerun})
-        print("(a) driver SIGKILLed at 80% of its tasks, then rerun")
-        print(
-            _common.table(
-                ["whole s", "killed s", "rerun s", "rerun / whole", "both / whole", "tasks run"],
-                rows,
+            print(_common.table(["checkpoints", "median s", "/ off", "n"], rows))
+            results["cost"] = cost
+        if args.only in (None, "kill"):
+            rows = []
+            for _ in range(args.repeat):
+                empty = one_run(work, "off", 2, 0.0)  # a driver's fixed cost: start, connect
+                whole = one_run(work, "0s", n, sec)
+                first = one_run(work, "0s", n, sec, kill_after=0.8 * whole["wall"])
+                rerun = one_run(work, "0s", n, sec)
+                rows.append(
+                    [
+                        empty["wall"],
+                        whole["wall"],
+                        first["wall"],
+                        rerun["wall"],
+                        rerun["wall"] / whole["wall"],
+                        rerun["s"] / whole["s"],
+                        (first["wall"] + rerun["wall"]) / whole["wall"],
+                        f"{first['ran']}+{rerun['ran']}/{whole['tasks']}",
+                    ]
+                )
+                results["kill"].append(
+                    {"empty": empty, "whole": whole, "first": first, "rerun": rerun}
+                )
+            print(
+                "(a) driver SIGKILLed at 80% of an uninterrupted run's wall time, then rerun "
+                "(wall: the driver process's start to its end)"
             )
-        )
+            print(
+                _common.table(
+                    [
+                        "empty s",
+                        "whole s",
+                        "killed s",
+                        "rerun s",
+                        "rerun / whole",
+                        "compute only",
+                        "both / whole",
+                        "tasks run",
+                    ],
+                    rows,
+                )
+            )
+            print(
+                "empty: a driver computing 2 tasks of 0 s (the fixed cost of any run); compute"
+                "\nonly: the rerun's raydag.get time over the uninterrupted run's"
+            )
+        print("load avg at the end: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
     finally:
         shutil.rmtree(work, ignore_errors=True)
         ray.shutdown()

@@ -102,12 +102,20 @@ ray_dask_get = _ray_dask_get()
 # ---- graphs ------------------------------------------------------------------------------
 
 
-def skim(subgraphs: int = 26, fan: int = 104, long: tuple = (4, 12, 20)) -> dict[str, T]:
+def skim(
+    subgraphs: int = 26,
+    fan: int = 104,
+    long: tuple = (4, 12, 20),
+    long_seconds: float = 6.0,
+    long_reads: int = 1,
+) -> dict[str, T]:
+    """The seed's shape; the subgraphs in ``long`` read ``long_reads`` inputs for
+    ``long_seconds`` each (the long tasks)."""
     rng = np.random.default_rng(7)
     spec: dict[str, T] = {}
     for g in range(subgraphs):
         for i in range(fan):
-            read = 6.0 if (g in long and i == 0) else 0.012
+            read = long_seconds if (g in long and i < long_reads) else 0.012
             spec[f"read-{g}-{i}"] = T(read, 256 * KiB, float(rng.integers(10)))
             spec[f"calib-{g}-{i}"] = T(0.002, 256 * KiB, 1.0, (f"read-{g}-{i}",))
             spec[f"select-{g}-{i}"] = T(0.002, 128 * KiB, 0.0, (f"calib-{g}-{i}",))
@@ -204,8 +212,10 @@ class Bench:
         outputs: list,
         chaos: Chaos | None = None,
         nodes: int = 3,
+        config: dict | None = None,
     ) -> Result:
-        """One compute, with ``chaos`` killing nodes meanwhile (it returns the deaths)."""
+        """One compute, with ``chaos`` killing nodes meanwhile (it returns the deaths);
+        ``config``: raydag settings of this compute (``raydag.*`` keys)."""
         c = self.cluster(nodes)
         self.seq += 1
         log = os.path.join(self.logdir, f"{self.seq:03d}.log")
@@ -218,7 +228,7 @@ class Bench:
             ray_first = contender == "raydag ray-first"
 
             def compute() -> Any:
-                with dask.config.set({"raydag.recovery.ray-first": ray_first}):
+                with dask.config.set({"raydag.recovery.ray-first": ray_first, **(config or {})}):
                     return raydag.ray_get(dsk, outputs)
 
         self.rlog.clear()
@@ -250,6 +260,8 @@ class Bench:
         if chaos is not None:
             res.run = "faults"
             res.extra["chaos_error"] = chaos_error
+            res.extra["deaths"] = [(d.node, d.t_kill) for d in deaths]
+            res.extra["log"] = log
         self.results.append(res)
         print(
             f"  {scenario:13} {contender:17} {res.run:6} {res.wall or float('nan'):7.1f} s  "

@@ -40,6 +40,16 @@ def graph(log: str, n: int = 8, seconds: float = 0.5) -> dict:
     return dsk
 
 
+def gate(path: str, timeout: float = 120.0) -> float:
+    """Wait until ``path`` exists (a test opens the gate); 0.0."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the gate {path} was never opened")
+        time.sleep(0.05)
+    return 0.0
+
+
 def ran(log: str) -> list[str]:
     if not os.path.exists(log):
         return []

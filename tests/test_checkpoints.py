@@ -190,6 +190,22 @@ def test_a_failed_write_turns_checkpoints_off_once():
     assert releases(rest) >= {"c"}
 
 
+def test_a_write_lost_with_its_node_leaves_checkpoints_on():
+    """A write whose worker or node died says nothing of the store: that key is not
+    durable, and the next results are still written."""
+    always = dataclasses.replace(ON, min_cost=0.0)
+    s = make(CHAIN, ["d"], checkpoints=always)
+    (sub,) = submits(s.start())
+    out = finish(s, sub)
+    assert instructions(out, Checkpoint) == [Checkpoint("a")]
+    (sub,) = submits(out)
+    out = s.handle(CheckpointFailed("a", RuntimeError("node died"), lost=True))
+    assert instructions(out, CheckpointsOff) == [] and s.tasks["a"].durable is None
+    out = finish(s, sub)
+    assert instructions(out, Checkpoint) == [Checkpoint("b")]  # still on
+    s.validate_state()
+
+
 # ---- the store ----------------------------------------------------------------------
 
 
@@ -253,6 +269,82 @@ def test_names_change_with_the_task_its_inputs_and_raydag_version(monkeypatch):
     assert not set(names(graph("log")).values()) & set(base.values())
 
 
+def test_stale_and_foreign_checkpoints_are_never_used_silently(tmp_path, caplog, monkeypatch):
+    """Found: only this graph's names. A key's file under another fingerprint (another
+    task, another raydag version) is not found but counted and warned of; a manifest of
+    another raydag version under the very name is refused when read."""
+    import json
+
+    from checkpoint_job import graph
+    from dask._task_spec import convert_legacy_graph
+
+    from raydag.runtime import checkpoints
+
+    def names():
+        tasks = convert_legacy_graph(graph("log", n=2))
+        return checkpoints.names(tasks, {k: t.dependencies for k, t in tasks.items()})
+
+    url = str(tmp_path / "store")
+    store = checkpoints.CheckpointStore(url)
+    store.open()
+    ours = names()
+    store.write(ours["load-0"], 1, {"key": "load-0"})
+    store.write(f"{checkpoints.key_token('proc-0')}-0123456789abcdef0123", 2, {"key": "proc-0"})
+    store.write("ffffffffffffffffffff-0123456789abcdef0123", 3, {"key": "another graph's"})
+    with caplog.at_level("WARNING", logger="raydag"):
+        _, found, partial = checkpoints.open_store(url, ours, resume=True)
+    assert found == {"load-0"} and partial == []
+    (warned,) = [r.getMessage() for r in caplog.records]
+    assert "ignoring 1 checkpoint files" in warned and "stale" in warned
+    caplog.clear()
+    monkeypatch.setattr(checkpoints, "version", lambda: "9.9")  # another raydag version
+    with caplog.at_level("WARNING", logger="raydag"):
+        _, found, _ = checkpoints.open_store(url, names(), resume=True)
+    assert found == set()
+    assert any("ignoring 2 checkpoint files" in r.getMessage() for r in caplog.records)
+    monkeypatch.undo()
+    manifest = tmp_path / "store" / f"{ours['load-0']}.json"
+    meta = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**meta, "raydag": "0.0.1"}))
+    with pytest.raises(checkpoints.CheckpointError, match="written by raydag 0.0.1"):
+        store.read(ours["load-0"])
+
+
+def test_a_full_store_fails_the_write_and_leaves_nothing_behind(tmp_path):
+    """A store that fills up mid-write (ENOSPC): the write raises (the Ray layer reports
+    it, and checkpoints go off), and no partial file stays."""
+    import errno
+
+    import numpy as np
+    from fsspec.implementations.local import LocalFileSystem
+
+    from raydag.runtime.checkpoints import CheckpointStore
+
+    class Full(LocalFileSystem):
+        def _open(self, path, mode="rb", **kwargs):
+            f = super()._open(path, mode, **kwargs)
+            if "w" in mode:
+                room = [1000]
+                write = f.write
+
+                def limited(data):
+                    room[0] -= memoryview(data).nbytes
+                    if room[0] < 0:
+                        raise OSError(errno.ENOSPC, "No space left on device")
+                    return write(data)
+
+                f.write = limited
+            return f
+
+    store = CheckpointStore(str(tmp_path / "store"))
+    store.open()
+    store._fs = Full()
+    with pytest.raises(OSError, match="No space left"):
+        store.write("aaaa-1111", np.zeros(10_000), {"key": "x"})
+    assert list((tmp_path / "store").iterdir()) == []
+    assert store.write("bbbb-2222", 1, {"key": "small"}) > 0  # what fits is written
+
+
 def test_the_command_lists_and_cleans_a_store(tmp_path, capsys):
     import time
 
@@ -299,17 +391,77 @@ def _manifests(store) -> int:
 
 
 @pytest.mark.cluster
-def test_driver_killed_mid_compute_reruns_from_its_checkpoints(tmp_path):
-    """On a Ray of its own: the objects a SIGKILLed driver owned stay in the store of the
-    cluster it ran on, which would fail every later test's check of an empty store."""
+@pytest.mark.slow
+def test_a_killed_node_loses_a_checkpointed_and_an_uncheckpointed_input(clusters, tmp_path):
+    """Two one-CPU nodes: ``ck`` (its category checkpointed) and ``plain`` (not; it reads
+    ``ck``) run on one node, while ``gate`` holds the other; ``final`` reads all three.
+    That node is killed once ``ck`` is written: ``ck`` is read back (it runs once, by the
+    tasks' own log), ``plain`` is recomputed from it, the result is the same."""
     import os
 
-    from harness import MultiNodeCluster
+    import dask
+    import numpy as np
+    from chaos import (
+        Background,
+        MiB,
+        T,
+        assert_stores_empty,
+        build,
+        completions,
+        ensure_nodes,
+        kill,
+        runs,
+        wait_until,
+    )
+    from checkpoint_job import gate
+    from dask._task_spec import Task
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    with MultiNodeCluster(nodes=0) as c:  # its workers import checkpoint_job from here
-        c.add_node(cpus=2, env_vars={"PYTHONPATH": os.pathsep.join([here, os.path.dirname(here)])})
-        _driver_killed_then_rerun(tmp_path)
+    import raydag
+
+    c = clusters.get()
+    ensure_nodes(c, 2)
+    log, opened, store = str(tmp_path / "runs.log"), str(tmp_path / "open"), tmp_path / "store"
+    spec = {
+        "ck": T(0.3, MiB, 1.0),
+        "plain": T(0.3, MiB, 2.0, ("ck",)),
+        "final": T(0.05, 8, 0.0, ("ck", "plain", "gate")),
+    }
+    dsk = build({k: t for k, t in spec.items() if k != "final"}, log)
+    dsk["gate"] = Task("gate", gate, opened)
+    dsk["final"] = build({"final": spec["final"]}, log)["final"]
+    conf = {
+        "raydag.checkpoint.store": str(store),
+        "raydag.checkpoint.categories": ["ck"],
+        "raydag.checkpoint.min-cost": "1 hour",  # only ck's category is written
+        "raydag.fusion.enabled": False,  # ck and plain each a Ray task of their own
+    }
+    with dask.config.set(conf):
+        bg = Background(lambda: raydag.ray_get(dsk, "final"))
+        wait_until(lambda: _manifests(store) == 1, "ck's checkpoint", bg)
+        wait_until(lambda: completions(log)["plain"] == 1, "plain", bg)
+        where = {r.label: r.node for r in runs(log)}
+        assert where["ck"] == where["plain"], where  # the gate holds the other CPU
+        kill(c, where["ck"])
+        open(opened, "w").close()
+        result = bg.result(120)
+    np.testing.assert_array_equal(result, np.full(1, 1.0 + (2.0 + 1.0)))
+    done = completions(log)
+    assert done == {"ck": 1, "plain": 2, "final": 1}, done  # ck read back, not rerun
+    assert not os.listdir(store)  # a finished compute's checkpoints are removed
+    del result
+    assert_stores_empty()
+
+
+@pytest.mark.cluster
+def test_driver_killed_mid_compute_reruns_from_its_checkpoints(clusters, tmp_path):
+    """On the module's multi-node cluster, after the node-death test: the objects a
+    SIGKILLed driver owned stay in the store of the cluster it ran on, which would fail
+    a later test's check of an empty store (the shared embedded Ray is not touched)."""
+    from chaos import ensure_nodes
+
+    c = clusters.get()  # its workers import checkpoint_job from tests/ (chaos.Clusters)
+    ensure_nodes(c, 2)
+    _driver_killed_then_rerun(tmp_path)
 
 
 def _driver_killed_then_rerun(tmp_path):
@@ -437,8 +589,10 @@ def test_a_read_only_store_is_reported_once_and_the_compute_finishes(
     import numpy as np
 
     np.testing.assert_array_equal(result, expect)
-    off = [r for r in caplog.records if "checkpoints off" in r.getMessage()]
+    # told once, at the start (the driver's probe write), not by each write
+    off = [r for r in caplog.records if "checkpoint" in r.getMessage()]
     assert len(off) == 1, [r.getMessage() for r in caplog.records]
+    assert "cannot use the checkpoint store" in off[0].getMessage()
     assert "Permission" in off[0].getMessage() or "permitted" in off[0].getMessage()
     assert len(ran(log)) == 11 and list(store.iterdir()) == []
     assert_store_empty()

@@ -13,8 +13,9 @@ outlives both (a directory, a shared filesystem, an object store: any fsspec URL
   shared ancestor counted once per path). A checkpointed value's cost is 0: a loss
   below it stops there. ``dask.annotate(checkpoint=True)`` forces a key,
   ``checkpoint=False`` forbids it; ``categories`` forces whole categories. Nothing
-  more is written once ``max_size`` bytes were, or once a write failed (``CheckpointsOff``:
-  a read-only or full store is reported once and the compute goes on without).
+  more is written once ``max_size`` bytes were, or once the store refused a write
+  (``CheckpointsOff``: a read-only or full store is reported once and the compute goes
+  on without); a write lost with its node (the death recovery handles) is no reason to.
 - **how**: ``Checkpoint(key)`` once the value is in memory; the Ray layer writes it in a
   small Ray task of its own that reads the object, so the value's readers never wait for
   the write and a failed write fails no task. The write reports ``CheckpointWritten`` or
@@ -212,10 +213,15 @@ class Checkpointer:
             ts.durable = WRITTEN
 
     def write_failed(self, ev: CheckpointFailed, out: list[Instruction]) -> None:
+        """A write that the store refused turns checkpoints off; one lost with its node
+        (``ev.lost``) says nothing of the store: the key is simply not durable (written
+        again if it is made again and still worth it)."""
         ts = self.s.tasks.get(ev.key)
         if ts is not None and ts.durable == WRITING:
             ts.durable = None
             self.written_bytes -= ts.nbytes or 0
+        if ev.lost:
+            return
         if not self.off:
             self.off = True
             out.append(

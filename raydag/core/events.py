@@ -291,10 +291,13 @@ class CheckpointWritten:
 
 @dataclass(frozen=True, slots=True)
 class CheckpointFailed:
-    """Writing ``key``'s checkpoint failed with ``error`` (a read-only or full store)."""
+    """Writing ``key``'s checkpoint failed with ``error``: the store refused it (a
+    read-only or full store), or, ``lost``, the write never reached the store (its
+    worker or node died, or the value it was writing was lost with its node)."""
 
     key: Key
     error: Any = None
+    lost: bool = False
 
 
 Event = (

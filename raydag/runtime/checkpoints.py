@@ -118,8 +118,14 @@ class CheckpointStore:
         return f"{self._root.rstrip('/')}/{name}{suffix}"
 
     def open(self) -> None:
-        """Create the store's directory (raises if it cannot be)."""
+        """Create the store's directory and write (then remove) a probe file in it:
+        raises if either cannot be done (a read-only store is told at the start, by the
+        driver, not by a write that a short compute may cancel before it fails)."""
         self.fs.makedirs(self.path("", "").rstrip("/"), exist_ok=True)
+        probe = self.path(f".probe-{uuid.uuid4().hex[:8]}", DATA + ".tmp")
+        with self.fs.open(probe, "wb") as f:
+            f.write(b"raydag")
+        self.fs.rm(probe)
 
     # ---- one checkpoint -----------------------------------------------------------
 
@@ -365,22 +371,32 @@ class Checkpointing:
             return CheckpointWritten(key, int(ray.get(ref)))
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if isinstance(e.cause, BaseException) else e
-            return CheckpointFailed(key, cause)
-        except ray.exceptions.RayError as e:
-            return CheckpointFailed(key, e)
+            # the store's own error, or Ray's (the value to write lost with its node)
+            return CheckpointFailed(key, cause, lost=isinstance(cause, ray.exceptions.RayError))
+        except ray.exceptions.RayError as e:  # its worker or node died
+            return CheckpointFailed(key, e, lost=True)
 
     def read_back(self, key: Key) -> ReadBack:
         return ReadBack(key, self.store, self.names[key])
 
-    def settle(self) -> None:
-        """Wait for the writes in flight (a compute done: they are kept, or removed)."""
+    def settle(self, cancel: bool = False) -> None:
+        """Wait for the writes in flight to end (a compute done: they are kept, or
+        removed); ``cancel``: stop them first, since what they write is to be removed."""
         if self.writes:
-            ray.wait(list(self.writes), num_returns=len(self.writes), timeout=self.WAIT)
-            for ref in list(self.writes):
-                self.writes.pop(ref)
+            refs = list(self.writes)
+            if cancel:  # from the inbox, as every cancel (docs/ray-bugs.md)
+                from raydag.runtime.inbox import cancel as cancel_tasks
+
+                cancel_tasks(refs, force=False)
+            ray.wait(refs, num_returns=len(refs), timeout=self.WAIT)
+            self.writes.clear()
 
     def drop(self, keys: Iterable[Key]) -> None:
-        self.settle()
+        """Remove a done compute's checkpoints. Its writes still in flight are cancelled,
+        not waited for: their values' readers all ran, so a write ending now would only be
+        removed, and waiting for it would hold the compute's end (a write of the last
+        results starts as the compute ends, often in a worker process Ray must start)."""
+        self.settle(cancel=True)
         try:
             removed = self.store.remove([*(self.names[k] for k in keys), *self.partial])
             logger.debug("raydag: removed %d checkpoint files from %s", removed, self.store.url)
