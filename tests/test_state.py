@@ -636,11 +636,7 @@ class Driver:
         else:
             assert not any(k in self.piece_of for k in keys), ("piece outside its bundle", sub)
             chain, consumers = self._split(keys)
-            # kept: the outputs and what a task outside the group reads
-            kept = tuple(
-                k for k in keys if k in sc.outputs or self.dependents[k] - members - self.finished
-            )
-            assert sub.kept == kept, (sub, kept)
+            assert sub.kept == (consumers if len(consumers) > 1 else (sub.root,)), sub
         # shape of a group: topological, each non-root read only inside, inputs held
         for i, k in enumerate(keys):
             inside = self.deps[k] & members
@@ -672,14 +668,9 @@ class Driver:
         if consumers:  # every consumer still to run of the chain's last, within budget
             lead = chain[-1]
             assert lead not in sc.outputs and lead not in sc.available, sub
-            assert self.dependents[lead] - self.finished <= set(consumers), (
-                "not all consumers",
-                sub,
-            )
-            for c in consumers:  # beyond the lead's own consumers: cheap, or a probe
-                if lead not in self.deps[c] and self.runs[sc.categories[c]] >= PROBES:
-                    seen = self.known.get(sc.categories[c])
-                    assert seen is not None and seen < f.max_task_duration, (c, sub)
+            assert consumers == tuple(
+                sorted(self.dependents[lead] - self.finished, key=sc.priorities.__getitem__)
+            ), ("not all consumers, or out of order", sub)
             known = [
                 self.known.get(sc.categories[c]) if self.runs[sc.categories[c]] >= PROBES else None
                 for c in consumers
@@ -712,15 +703,10 @@ class Driver:
             and all(len(self.dependents[k]) == 1 for k in keys[:-1])
         ):
             return keys, ()  # a plain chain (or tree) of cheap tasks
-        # the lead, and what reads nothing but it and each other: the latest such lead,
-        # as the state machine fuses a cheap chain first and its last task's consumers after
-        for i in range(len(keys) - 1, 0, -1):
+        for i in range(1, len(keys)):
             lead, rest = keys[i - 1], keys[i:]
-            inside = {lead, *rest}
-            if (
-                all(self.deps[c] & members <= inside for c in rest)
-                and self.dependents[lead] & members <= set(rest)
-                and not any(self.dependents[k] & set(rest) for k in keys[: i - 1])
+            if all(self.deps[c] & members == {lead} for c in rest) and not any(
+                self.dependents[k] & members for k in rest
             ):
                 return keys[:i], rest
         return keys, ()
@@ -2358,45 +2344,3 @@ def test_a_long_producer_with_its_consumers_is_duplicated():
     s.validate_state()
     (won,) = [i for i in out if isinstance(i, Won)]
     assert won.key == "read" and cancels(out) == {first.copy} and s.done
-
-
-def nano_state(parts: int = 3, **kwargs) -> State:
-    """A coffea skim per partition: ``read`` feeds accessors (``muon``, ``run``), a mask
-    made from ``muon``, the selection ``sel`` reading ``read`` and ``mask``, and a
-    parquet write and a histogram fill reading ``sel``; reductions read every
-    partition's write and fill."""
-    deps: dict = {}
-    for i in range(parts):
-        deps |= {f"read{i}": set(), f"muon{i}": {f"read{i}"}, f"run{i}": {f"read{i}"},
-                 f"mask{i}": {f"muon{i}"}, f"sel{i}": {f"read{i}", f"mask{i}"},
-                 f"write{i}": {f"sel{i}", f"run{i}"}, f"hist{i}": {f"sel{i}"}}  # fmt: skip
-    deps["writes"] = {f"write{i}" for i in range(parts)}
-    deps["hists"] = {f"hist{i}" for i in range(parts)}
-    prio = {k: i for i, k in enumerate(sorted(deps, key=lambda k: (k[-1].isalpha(), k[-1], k)))}
-    cat = lambda k: k.rstrip("0123456789")  # noqa: E731
-    return State(deps, prio, {"writes", "hists"}, category=cat, fusion=fusion_config(), **kwargs)
-
-
-def test_a_partitions_cheap_descendants_run_in_its_readers_task():
-    # ``sel`` reads ``mask``, not in memory: under the consumers-only rule ``read`` ran
-    # alone and each accessor was a Ray task of its own. Now every task reading nothing
-    # but the group's values joins, to a fixpoint, and only what the reductions read
-    # leaves the task.
-    s = nano_state(capacity=1)
-    (first,) = submits(s.start())
-    assert first.keys[0] == "read0"
-    assert set(first.keys) == {"read0", "muon0", "run0", "mask0", "sel0", "write0", "hist0"}
-    order = first.keys  # topological: each runs after what it reads
-    assert order.index("mask0") > order.index("muon0") and order.index("sel0") > order.index(
-        "mask0"
-    )
-    assert set(first.kept) == {"write0", "hist0"}
-    durations = {k: (1.4 if k.startswith("read") else 0.001) for k in first.keys}
-    out = s.handle(TaskFinished(first.copy, durations, 40, "n0",
-                                sizes=tuple(8 for _ in first.kept)))  # fmt: skip
-    s.validate_state()
-    for k in ("read0", "muon0", "run0", "mask0", "sel0"):  # never left the worker
-        assert s.tasks[k].state == "released" and k not in releases(out)
-    assert s.tasks["write0"].state == s.tasks["hist0"].state == "memory"
-    (second,) = submits(out)  # the next partition's whole subgraph, measured cheap now
-    assert len(second.keys) == 7 and set(second.kept) == {"write1", "hist1"}
