@@ -38,7 +38,10 @@ def connect() -> None:
     )
     logger.info("started an embedded local Ray: %s", ray.cluster_resources())
     try:
-        warm_up()
+        warm = warm_up()
+        # as distributed's LocalCluster returns once its workers are up: a script's
+        # first compute, right after this, then runs on warm workers
+        ray.wait(warm, num_returns=len(warm), timeout=config.seconds("local-ray.warm-wait"))
     except Exception as e:  # a cold start is slower, never wrong
         logger.warning("raydag: could not warm the embedded Ray's workers up: %s", e)
 
