@@ -40,6 +40,19 @@ def machine() -> dict[str, Any]:
     }
 
 
+def proc_status(field: str) -> int:
+    """A byte count of this process's ``/proc/self/status`` (``VmRSS``, ``VmHWM``); 0
+    where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def versions() -> dict[str, str]:
     import dask
     import numpy

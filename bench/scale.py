@@ -127,14 +127,6 @@ def build(size: int, kind: str, mark: str) -> tuple[dict, list]:
 # ---- one run, in a child process ----------------------------------------------------
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _timed(owner: Any, name: str, into: dict, phase: str) -> None:
     """Wrap ``owner.name`` so its seconds add up in ``into[phase]``."""
     static = inspect.getattr_static(owner, name)
@@ -163,7 +155,7 @@ def child(args: argparse.Namespace) -> None:
     import scale  # the tasks by reference, as a library's are: not this __main__'s
 
     dsk, outputs = scale.build(args.size, args.kind, mark)
-    rss_graph = _status("VmRSS")
+    rss_graph = _common.proc_status("VmRSS")
     phases: dict[str, float] = {}
     prof = None
     if args.contender.startswith("raydag") or args.contender == "ray_dask_get":
@@ -218,7 +210,7 @@ def child(args: argparse.Namespace) -> None:
     out: dict[str, Any] = {
         "total": total,
         "first": first,
-        "rss_peak": _status("VmHWM"),
+        "rss_peak": _common.proc_status("VmHWM"),
         "rss_graph": rss_graph,
         "tasks": len(dsk),
         "result": int(sum(values)),

@@ -46,14 +46,6 @@ from simcluster import Cluster, Sim, seed_graph  # noqa: E402
 HERE = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def child(args: argparse.Namespace) -> None:
     """One simulated compute (``--child``): the graph from a pickle, the result as JSON.
 
@@ -73,11 +65,11 @@ def child(args: argparse.Namespace) -> None:
             f.write("5")  # VmHWM := VmRSS
     except OSError:
         pass
-    rss0 = _status("VmRSS")
+    rss0 = _common.proc_status("VmRSS")
     prof = cProfile.Profile() if args.profile else None
     sim = Sim(graph, cluster, policies=args.policies == "on", profile=prof)
     result = asdict(sim.run())
-    result["rss_peak"] = _status("VmHWM") - rss0
+    result["rss_peak"] = _common.proc_status("VmHWM") - rss0
     if prof is not None:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)

@@ -169,13 +169,19 @@ def test_an_unreadable_checkpoint_is_ignored_and_its_lineage_recomputed():
     assert order == [("a",), ("b",), ("c",), ("d",)] and s.done
 
 
-def test_a_failed_write_turns_checkpoints_off_once():
+def _first_written(graph: dict) -> tuple:
+    """A state writing every result: its first checkpoint asked for, the next submit."""
     always = dataclasses.replace(ON, min_cost=0.0)
-    s = make(CHAIN, ["d"], checkpoints=always)
+    s = make(graph, ["d"], checkpoints=always)
     (sub,) = submits(s.start())
     out = finish(s, sub)
     assert instructions(out, Checkpoint) == [Checkpoint("a")]
     (sub,) = submits(out)
+    return s, sub
+
+
+def test_a_failed_write_turns_checkpoints_off_once():
+    s, sub = _first_written(CHAIN)
     out = s.handle(CheckpointFailed("a", PermissionError("read-only file system")))
     (off,) = instructions(out, CheckpointsOff)
     assert "read-only" in off.reason and s.tasks["a"].durable is None
@@ -193,12 +199,7 @@ def test_a_failed_write_turns_checkpoints_off_once():
 def test_a_write_lost_with_its_node_leaves_checkpoints_on():
     """A write whose worker or node died says nothing of the store: that key is not
     durable, and the next results are still written."""
-    always = dataclasses.replace(ON, min_cost=0.0)
-    s = make(CHAIN, ["d"], checkpoints=always)
-    (sub,) = submits(s.start())
-    out = finish(s, sub)
-    assert instructions(out, Checkpoint) == [Checkpoint("a")]
-    (sub,) = submits(out)
+    s, sub = _first_written(CHAIN)
     out = s.handle(CheckpointFailed("a", RuntimeError("node died"), lost=True))
     assert instructions(out, CheckpointsOff) == [] and s.tasks["a"].durable is None
     out = finish(s, sub)

@@ -532,6 +532,7 @@ class Speculator:
                             ratios = self.overtaken.setdefault(c.node, [])
                             ratios.append(ran / took * self.pace(ev.node))
                             del ratios[: -self.PACE]
+                            self._forget()  # its judgements and pace are stale
         if winner.duplicate:
             out.append(self._won(group, ev, losers))
         if losers and ev.node is not None:

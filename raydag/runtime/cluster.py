@@ -21,7 +21,8 @@ INLINE_TOTAL = 10 * 1024 * 1024
 
 
 def connect() -> None:
-    """Use the initialised Ray or ``RAY_ADDRESS``; otherwise start an embedded local Ray."""
+    """Use the initialised Ray or ``RAY_ADDRESS``; otherwise start an embedded local Ray,
+    returned once its workers are warm (``warm_up``)."""
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
@@ -48,12 +49,11 @@ def connect() -> None:
 
 def warm_up() -> list[ray.ObjectRef]:
     """Start a worker process per CPU of the embedded Ray, importing in it the modules of
-    ``local-ray.warm-imports`` the driver has imported, and the inbox actor; return at
-    once. Ray starts worker processes when tasks need them and each imports dask,
-    pandas and the rest on its first task (2-3 s a process on two busy cores): done now,
-    that overlaps with the driver building and ordering its first graph, and the first
-    compute finds warm workers instead of paying it. Nothing waits on these tasks: their
-    refs are returned (each gives the modules its worker imported)."""
+    ``local-ray.warm-imports`` the driver has imported, and the inbox actor. Ray starts
+    worker processes only when tasks need them, and each imports dask, pandas and the
+    rest on its first task (about 3.5 s here): done now, a script's first compute finds
+    warm workers. Returns the tasks' refs (each gives the modules its worker imported);
+    ``connect`` waits for them up to ``local-ray.warm-wait``."""
     import sys
 
     from raydag.runtime.inbox import inbox
