@@ -635,17 +635,15 @@ class Driver:
             assert self.dependents[keys[0]] - members <= self.finished, sub
         else:
             assert not any(k in self.piece_of for k in keys), ("piece outside its bundle", sub)
-            chain, consumers = self._split(keys)
-            assert sub.kept == (consumers if len(consumers) > 1 else (sub.root,)), sub
-        # shape of a group: topological, each non-root read only inside, inputs held
+            # kept: the outputs and what a task outside the group reads
+            kept = tuple(
+                k for k in keys if k in sc.outputs or self.dependents[k] - members - self.finished
+            )
+            assert sub.kept == kept, (sub, kept)
+        # shape of a group: topological, inputs held
         for i, k in enumerate(keys):
             inside = self.deps[k] & members
             assert all(keys.index(d) < i for d in inside), ("not topological", sub)
-            if k != chain[-1] and k in chain and not bundle:
-                assert k not in sc.outputs, ("output fused away", k, sub)
-                assert k not in sc.available, ("given value fused away: owner not healed", sub)
-                assert len(self.dependents[k]) == 1, ("shared value fused away", k, sub)
-                assert self.dependents[k] <= members, ("consumer outside group", k, sub)
         outside = {d for k in keys for d in self.deps[k]} - members
         assert len(sub.inputs) == len(set(sub.inputs)), sub
         assert set(sub.inputs) == outside, (sub, outside)
@@ -659,57 +657,82 @@ class Driver:
                 assert sc.resources.get(k) == sc.resources.get(keys[0]), sub
                 # the same retries (an annotation of 0 retries is none: the same limit)
                 assert sc.retries.get(k, 0) == sc.retries.get(keys[0], 0), sub
-        if len(chain) > 1:  # a chain of known-cheap tasks
-            for k in chain:
-                seen = self.known.get(sc.categories[k])
-                assert seen is not None and seen < f.max_task_duration, (k, sub)
-            total = sum(sc.durations[sc.categories[k]] for k in chain)
-            assert total <= f.max_group_duration + 1e-9, (total, sub)
-        if consumers:  # every consumer still to run of the chain's last, within budget
-            lead = chain[-1]
-            assert lead not in sc.outputs and lead not in sc.available, sub
-            assert consumers == tuple(
-                sorted(self.dependents[lead] - self.finished, key=sc.priorities.__getitem__)
-            ), ("not all consumers, or out of order", sub)
-            known = [
-                self.known.get(sc.categories[c]) if self.runs[sc.categories[c]] >= PROBES else None
-                for c in consumers
-            ]
-            total = sum(k for k in known if k is not None)
-            led = self.known.get(sc.categories[lead])
-            whole = total + sum(self.known.get(sc.categories[k]) or 0.0 for k in chain)
-            assert (total < f.max_task_duration and whole <= f.max_group_duration + 1e-9) or (
-                led is not None and total <= led * CONSUMERS_SHARE
-            ), ("consumers too slow to follow", sub, total, led)
-            probes = {sc.categories[c] for c, k in zip(consumers, known, strict=True) if k is None}
-            others = [g for gid, g in self.inflight.items() if gid != self._key(sub)]
-            running = {sc.categories[k] for g in others for k in g.keys}
-            running |= {sc.categories[k] for k in chain}  # one probe per category, alone
-            assert not probes & running, (sub, probes, running)
+        if not bundle:  # a chain of cheap tasks, then what comes along with its last
+            why = []
+            for chain, consumers in self._splits(keys):
+                why.append(self._illegal(sub, chain, consumers))
+                if why[-1] is None:
+                    break
+            assert why[-1] is None, ("no legal split", sub, why)
         self.consumers_of[self._key(sub)] = consumers
         if consumers:
             self.absorbed.append(len(consumers))
         self.submits.append(sub)
 
-    def _split(self, keys: tuple) -> tuple[tuple, tuple]:
-        """A group's chain (up to the key its consumers read) and its consumers."""
-        members = set(keys)
+    def _splits(self, keys: tuple):
+        """A group's possible splits into a chain (up to the key its consumers read)
+        and its consumers: the whole group a chain first, then the latest lead first."""
+        yield keys, ()
+        for i in range(len(keys) - 1, 0, -1):
+            yield keys[:i], keys[i:]
+
+    def _illegal(self, sub, chain: tuple, consumers: tuple):
+        """Why the group is not ``chain`` then ``consumers``, or None if it is."""
         sc, f = self.sc, self.sc.fusion
-        seen = [self.known.get(sc.categories[k]) for k in keys]
-        if (
-            None not in seen
-            and all(s < f.max_task_duration for s in seen)
-            and sum(sc.durations[sc.categories[k]] for k in keys) <= f.max_group_duration + 1e-9
-            and all(len(self.dependents[k]) == 1 for k in keys[:-1])
+        members = set(sub.keys)
+        for k in chain[:-1]:  # each member's value used inside alone
+            if k in sc.outputs:
+                return ("output fused away", k)
+            if k in sc.available:
+                return ("given value fused away: owner not healed", k)
+            if len(self.dependents[k]) != 1:
+                return ("shared value fused away", k)
+            if not self.dependents[k] <= set(chain):
+                return ("chain member read outside the chain", k)
+        if len(chain) > 1:  # a chain of known-cheap tasks
+            for k in chain:
+                seen = self.known.get(sc.categories[k])
+                if seen is None or seen >= f.max_task_duration:
+                    return ("chain member not known cheap", k)
+            total = sum(sc.durations[sc.categories[k]] for k in chain)
+            if total > f.max_group_duration + 1e-9:
+                return ("chain too long", total)
+        if not consumers:
+            return None
+        # every consumer still to run of the chain's last, and cheap tasks reading
+        # nothing but the group's values and values in memory, within budget
+        lead = chain[-1]
+        if lead in sc.outputs or lead in sc.available:
+            return ("lead kept anyway", lead)
+        if not self.dependents[lead] - self.finished <= set(consumers):
+            return ("not all consumers", lead)
+        inside = {lead, *consumers}
+        for c in consumers:
+            if self.deps[c] & members - inside:
+                return ("consumer reads a chain member other than the lead", c)
+            if lead not in self.deps[c] and self.runs[sc.categories[c]] >= PROBES:
+                seen = self.known.get(sc.categories[c])
+                if seen is None or seen >= f.max_task_duration:
+                    return ("a consumer of consumers not cheap", c)
+        known = [
+            self.known.get(sc.categories[c]) if self.runs[sc.categories[c]] >= PROBES else None
+            for c in consumers
+        ]
+        total = sum(k for k in known if k is not None)
+        led = self.known.get(sc.categories[lead])
+        whole = total + sum(self.known.get(sc.categories[k]) or 0.0 for k in chain)
+        if not (
+            (total < f.max_task_duration and whole <= f.max_group_duration + 1e-9)
+            or (led is not None and total <= led * CONSUMERS_SHARE)
         ):
-            return keys, ()  # a plain chain (or tree) of cheap tasks
-        for i in range(1, len(keys)):
-            lead, rest = keys[i - 1], keys[i:]
-            if all(self.deps[c] & members == {lead} for c in rest) and not any(
-                self.dependents[k] & members for k in rest
-            ):
-                return keys[:i], rest
-        return keys, ()
+            return ("consumers too slow to follow", total, led)
+        probes = {sc.categories[c] for c, k in zip(consumers, known, strict=True) if k is None}
+        others = [g for gid, g in self.inflight.items() if gid != self._key(sub)]
+        running = {sc.categories[k] for g in others for k in g.keys}
+        running |= {sc.categories[k] for k in chain}  # one probe per category, alone
+        if probes & running:
+            return ("probe beside its category", probes & running)
+        return None
 
     def _check_release(self, key) -> None:
         assert key in self.memory, ("released a value not held", key)
@@ -2344,3 +2367,45 @@ def test_a_long_producer_with_its_consumers_is_duplicated():
     s.validate_state()
     (won,) = [i for i in out if isinstance(i, Won)]
     assert won.key == "read" and cancels(out) == {first.copy} and s.done
+
+
+def nano_state(parts: int = 3, **kwargs) -> State:
+    """A coffea skim per partition: ``read`` feeds accessors (``muon``, ``run``), a mask
+    made from ``muon``, the selection ``sel`` reading ``read`` and ``mask``, and a
+    parquet write and a histogram fill reading ``sel``; reductions read every
+    partition's write and fill."""
+    deps: dict = {}
+    for i in range(parts):
+        deps |= {f"read{i}": set(), f"muon{i}": {f"read{i}"}, f"run{i}": {f"read{i}"},
+                 f"mask{i}": {f"muon{i}"}, f"sel{i}": {f"read{i}", f"mask{i}"},
+                 f"write{i}": {f"sel{i}", f"run{i}"}, f"hist{i}": {f"sel{i}"}}  # fmt: skip
+    deps["writes"] = {f"write{i}" for i in range(parts)}
+    deps["hists"] = {f"hist{i}" for i in range(parts)}
+    prio = {k: i for i, k in enumerate(sorted(deps, key=lambda k: (k[-1].isalpha(), k[-1], k)))}
+    cat = lambda k: k.rstrip("0123456789")  # noqa: E731
+    return State(deps, prio, {"writes", "hists"}, category=cat, fusion=fusion_config(), **kwargs)
+
+
+def test_a_partitions_cheap_descendants_run_in_its_readers_task():
+    # ``sel`` reads ``mask``, not in memory: under the consumers-only rule ``read`` ran
+    # alone and each accessor was a Ray task of its own. Now every task reading nothing
+    # but the group's values joins, to a fixpoint, and only what the reductions read
+    # leaves the task.
+    s = nano_state(capacity=1)
+    (first,) = submits(s.start())
+    assert first.keys[0] == "read0"
+    assert set(first.keys) == {"read0", "muon0", "run0", "mask0", "sel0", "write0", "hist0"}
+    order = first.keys  # topological: each runs after what it reads
+    assert order.index("mask0") > order.index("muon0") and order.index("sel0") > order.index(
+        "mask0"
+    )
+    assert set(first.kept) == {"write0", "hist0"}
+    durations = {k: (1.4 if k.startswith("read") else 0.001) for k in first.keys}
+    out = s.handle(TaskFinished(first.copy, durations, 40, "n0",
+                                sizes=tuple(8 for _ in first.kept)))  # fmt: skip
+    s.validate_state()
+    for k in ("read0", "muon0", "run0", "mask0", "sel0"):  # never left the worker
+        assert s.tasks[k].state == "released" and k not in releases(out)
+    assert s.tasks["write0"].state == s.tasks["hist0"].state == "memory"
+    (second,) = submits(out)  # the next partition's whole subgraph, measured cheap now
+    assert len(second.keys) == 7 and set(second.kept) == {"write1", "hist1"}

@@ -15,12 +15,19 @@ it, and is cheap: it joins. ``sum`` reads three other cleans not in memory: unle
 is a cheap subtree whose leaves are ready (then they join too), the walk stops at
 ``clean-1``, and the group is ``(read-1, clean-1)``: one Ray task, one object.
 
-**Consumers come along.** A task of any length whose every pending consumer reads
-nothing but it and values in memory takes those consumers into its Ray task, right
-after it, when together they are cheap or take at most ``CONSUMERS_SHARE`` of the task's
-own mean runtime: a skim's read-and-select feeding a parquet write and a histogram fill.
-Its selected data then never leaves the worker. A consumer category measured fewer than
-``PROBES`` times joins as a probe, one group at a time.
+**Consumers come along.** A task of any length takes its pending consumers into its Ray
+task, right after it, when each reads nothing but it, values in memory and other tasks
+that join, and together they are cheap or take at most ``CONSUMERS_SHARE`` of the task's
+own mean runtime; with them come, to a fixpoint, the cheap tasks reading nothing but
+the group's and memory's values. Worked example, a coffea skim of one partition: the
+reader ``from-uproot-3`` (1.4 s) is read by ``Muon-3``, ``run-3``, ``event-3`` and by
+``getitem-3`` (the selected events), which also reads ``mask-3``, made from ``Muon-3``.
+``getitem-3`` reads a task not in memory, so it cannot join alone; but ``Muon-3`` joins,
+then ``mask-3`` (it reads only ``Muon-3``), then ``getitem-3``, then the parquet write
+and the histogram fill that read it: one Ray task for the partition, where each accessor
+a Ray task of its own would cost a round trip on the partition's critical path. Those
+read outside (the write's and the fill's values, read by the reductions) are kept. A
+category measured fewer than ``PROBES`` times joins as a probe, one group at a time.
 """
 
 from __future__ import annotations
@@ -177,34 +184,65 @@ class Fuser:
         return keys + [key]
 
     def consumers(self, keys: tuple) -> tuple:
-        """The consumers of the group's root that run in its Ray task, right after it.
+        """The tasks that run in the group's Ray task right after its root, in order.
 
-        All of the root's pending consumers or none, so that its value never leaves
-        the task. Each must read nothing else but values in memory, be of the root's
-        kind and no bundle's; together cheap (the group within ``max_group_duration``),
-        or short beside the root (``CONSUMERS_SHARE``).
+        All of the root's pending consumers or none, so that its value never leaves the
+        task; with them, the cheap tasks that read nothing but the root, each other and
+        values in memory (a skim's field accessors, masks and selections on one
+        partition, whatever their shape), taken to a fixpoint. Each must be of the
+        root's kind and no bundle's; together cheap (the group within
+        ``max_group_duration``), or short beside the root (``CONSUMERS_SHARE``). Those
+        read outside the group are kept (``kept``); the rest never leave the worker.
         """
         root = keys[-1]
         f, tasks = self.settings, self.s.tasks
         if not f.enabled or not self._fusable(root):
             return ()
         pending = [d for d in tasks[root].dependents if tasks[d].state not in (MEMORY, RELEASED)]
-        if not pending or len(keys) + len(pending) > f.max_group_size:
+        room = f.max_group_size - len(keys)
+        if not pending or len(pending) > room:
+            return ()
+        inside = set(keys)
+        joined: list = []
+        direct = set(pending)
+        candidates = set(pending)
+        while candidates:  # a candidate joins once every input is inside or in memory
+            ready = []
+            for d in sorted(candidates, key=self.s.priority):
+                td = tasks[d]
+                if (
+                    td.state != WAITING
+                    or self.s.bundler.member(d)
+                    or not self._same_kind(root, d)
+                    or (d not in direct and not self._fusable(d))
+                    or (d not in direct and not self.cheap(d) and self._measured(d))
+                ):
+                    if d in direct:
+                        return ()
+                    candidates.discard(d)
+                elif all(x in inside or tasks[x].state == MEMORY for x in td.dependencies):
+                    ready.append(d)
+            if not ready:
+                break
+            for d in ready:
+                if len(joined) == room:
+                    break
+                candidates.discard(d)
+                inside.add(d)
+                joined.append(d)
+                candidates.update(
+                    x for x in tasks[d].dependents if x not in inside and tasks[x].state == WAITING
+                )
+            if len(joined) == room:
+                break
+        if not direct <= inside:
             return ()
         total = 0.0
         probes: set = set()
-        for d in pending:
-            td = tasks[d]
-            if (
-                td.state != WAITING
-                or self.s.bundler.member(d)
-                or not self._same_kind(root, d)
-                or any(tasks[x].state != MEMORY for x in td.dependencies if x != root)
-            ):
-                return ()
-            cat = self.s.categories.get(td.category)
+        for d in joined:
+            cat = self.s.categories.get(tasks[d].category)
             if cat is None or cat.count < PROBES:
-                probes.add(td.category)
+                probes.add(tasks[d].category)
             else:
                 total += cat.total / cat.count
         group = sum(self.s.estimate(k) or 0.0 for k in keys) + total
@@ -218,4 +256,20 @@ class Fuser:
                 cats[c].processing for c in probes if c in cats
             ):
                 return ()
-        return tuple(sorted(pending, key=self.s.priority))
+        return tuple(joined)
+
+    def _measured(self, key: Key) -> bool:
+        cat = self.s.categories.get(self.s.tasks[key].category)
+        return cat is not None and cat.count >= PROBES
+
+    def kept(self, keys: tuple) -> tuple:
+        """The members of a group whose values leave its Ray task: the outputs, and
+        those a task outside the group has still to read."""
+        members, tasks = set(keys), self.s.tasks
+        done = (MEMORY, RELEASED)
+        return tuple(
+            k
+            for k in keys
+            if tasks[k].output
+            or any(d not in members and tasks[d].state not in done for d in tasks[k].dependents)
+        )

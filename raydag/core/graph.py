@@ -34,7 +34,8 @@ class UnknownAnnotationWarning(UserWarning):
 # Annotations raydag acts on (``dask.annotate(resources=..., retries=...)``, and Ray's
 # Dask-on-Ray ``ray_remote_args``: ``raydag.core.options``), and those
 # dask and distributed set or document that mean nothing on Ray: where and in which
-# order tasks run is raydag's to decide (docs/semantics.md).
+# order tasks run is raydag's to decide (docs/semantics.md). dask-awkward marks its
+# writers' layers ``ak_output`` for its own graph optimisation, done before any get.
 HANDLED_ANNOTATIONS = frozenset({"resources", "retries", "checkpoint", "ray_remote_args"})
 FOREIGN_ANNOTATIONS = frozenset(
     {
@@ -44,6 +45,7 @@ FOREIGN_ANNOTATIONS = frozenset(
         "executor",
         "span",
         "shuffle_original_restrictions",
+        "ak_output",
     }
 )
 

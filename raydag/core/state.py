@@ -396,13 +396,16 @@ class State:
         self.used -= group.cost * len(group.copies)
         self._learn(group, ev)
         tasks = self.tasks
+        kept = set(group.kept)
         for m in group.keys:
             ts = tasks[m]
             ts.group = None
             for dep in ts.dependencies:
                 if dep not in group.members:
                     self._one_waiter_less(tasks[dep])
-            if m not in group.kept:
+                elif dep in kept:  # read inside the group too: kept for readers outside
+                    tasks[dep].waiters -= 1
+            if m not in kept:
                 ts.waiters = 0
                 self.transition(ts, RELEASED)
             ts.recovering = False
@@ -724,7 +727,8 @@ class State:
                 consumers = self.fuser.consumers(keys)
                 if consumers:
                     keys += consumers
-                    returns = consumers if len(consumers) > 1 else ()
+                    kept = self.fuser.kept(keys)
+                    returns = kept if kept != keys[-1:] else ()
                 if len(keys) > 1:
                     estimates = [self.estimate(k) for k in keys]
                     total = None if None in estimates else sum(estimates)  # type: ignore[arg-type]
