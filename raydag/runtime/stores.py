@@ -241,11 +241,17 @@ class StoreSampler:
         return self._started
 
     def stop(self) -> None:
-        """Stop the thread; one last round if it keeps every round (the "after")."""
+        """Stop the thread; one last round if it keeps every round (the "after").
+
+        A sampler that keeps only the latest round (placement's) with a reader it does
+        not own has nothing to do at the end: it does not wait for a round in flight,
+        whose store read can take up to the reader's timeout, to end the compute.
+        """
         if self._thread is None:
             return
         self._stop.set()
-        self._thread.join()
+        if self.keep or self._own_reader:
+            self._thread.join()
         self._thread = None
         try:
             if self.keep:
@@ -314,6 +320,6 @@ class StoreSampler:
                 self.sample()
                 failed = False
             except Exception:
-                if not failed:
+                if not failed and not self._stop.is_set():  # not a read cut short by the end
                     logger.exception("store sampling failed; will keep trying")
                 failed = True
