@@ -60,7 +60,7 @@ def tests_hep(session: nox.Session) -> None:
 
     Everything but the multi-node fault tests (marked ``cluster``) and the tests of
     raydag's Ray layer alone (``ray_only``: cancels, Ctrl-C, the notebook display),
-    and the state machine's randomised runs and simulations (``core_only``), which the
+    and the state machine's randomised runs, simulations and simulated reports (``core_only``), which the
     tests session runs: the dask version plays no part in them, and they take half the
     suite's time. What does meet dask (graphs, collections, the
     shuffle's rewrite, order, callbacks) runs on both stacks.

@@ -606,6 +606,7 @@ def test_a_read_only_store_is_reported_once_and_the_compute_finishes(
     assert [r.getMessage() for r in caplog.records if "checkpoint store" in r.getMessage()]
 
 
+@pytest.mark.core_only
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_runs_with_checkpoints_losses_and_bad_reads(data):

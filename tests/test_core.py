@@ -217,6 +217,7 @@ def test_ray_first_leaves_lost_values_to_ray_until_a_reader_fails():
     assert rec.lost == ("a",)
 
 
+@pytest.mark.core_only
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_random_deaths_lose_what_the_rule_says(data):

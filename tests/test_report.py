@@ -101,6 +101,7 @@ def _assert_not_blank(png: Path) -> None:
     assert (31, 119, 180) in rgb and (255, 127, 14) in rgb
 
 
+@pytest.mark.core_only  # a simulated record: the same on every dask
 def test_report_of_faults_in_browser(tmp_path):
     """A run with a retry, a node lost and recovered, a duplicate, then a failed one."""
     faults = Sim().run()
@@ -122,12 +123,14 @@ def test_report_of_a_real_run_in_browser(ray_cluster, tmp_path):
     check_in_browser(html, tmp_path, figures=4)
 
 
+@pytest.mark.core_only  # a simulated record: the same on every dask
 def test_empty_report_in_browser(tmp_path):
     html = write_report(RunRecord.merge([]), tmp_path / "empty.html")
     dom = _chromium(html, tmp_path, "--dump-dom")
     assert 'data-raydag-ok="true"' in dom.stdout and "Uncaught" not in dom.stderr
 
 
+@pytest.mark.core_only  # a simulated record: the same on every dask
 def test_report_of_a_large_record_in_browser(tmp_path):
     """A record of the seed's shape on a simulated 20 x 4 cluster with a node evicted:
     the timeline draws a sample (every recomputed task among it), the rest counts all."""

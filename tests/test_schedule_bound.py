@@ -6,9 +6,12 @@ from __future__ import annotations
 import itertools
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from schedule_bound import bound, fractional, optimum, speeds_of
+
+pytestmark = pytest.mark.core_only  # the benchmark's bound: no Ray, no dask
 
 
 def test_two_equal_nodes():
