@@ -705,7 +705,7 @@ def test_without_retries_annotation_the_flaky_task_fails(tmp_path, assert_store_
 
 
 def test_a_shared_callable_pickled_by_value_is_shipped_once_per_compute():
-    from raydag.runtime.worker import SHARED_PICKLE_BYTES, Shipper
+    from raydag.runtime.worker import SHARED_PICKLE_BYTES, Shipper, _unpack
 
     class Skim:  # a local class: cloudpickle ships it by value, as a notebook's
         def __init__(self):
@@ -720,10 +720,17 @@ def test_a_shared_callable_pickled_by_value_is_shipped_once_per_compute():
     first = [Task("a", skim, 1)]
     assert shipper.pack(first) == (first, ())  # once: as it is (a one-task compute)
     second, shared = shipper.pack([Task("b", skim, 2), Task("c", inc, TaskRef("b"))])
+    # the callable anywhere in the payload, not only as a task's own (a nested task's)
+    fourth, _ = shipper.pack([Task("f", skim, Task("g", skim, 4))])
     third, shared_again = shipper.pack([Task("e", skim, 3)])
     assert isinstance(second, bytes) and len(shared) == 1
     assert shared_again == shared  # one ray.put for the compute, named by every payload
     assert len(third) < len(ray.cloudpickle.dumps(skim))  # the callable is not in it
+    b, c = _unpack(second, shared)  # as a worker reads it: equal tasks, the callable's copy
+    assert (type(b), b.key, b.args, type(c), c.key, c.func) == (Task, "b", (2,), Task, "c", inc)
+    assert c.dependencies == {"b"} and type(b.func).__name__ == "Skim"
+    (f,) = _unpack(fourth, shared)
+    assert f(None) == 4 + 50 + 50 and f.func is b.func  # read once per worker process
     plain = [Task("d", inc, 1)]  # importable: pickled by reference, cheap, left alone
     assert shipper.pack(plain) == (plain, ())
 

@@ -123,7 +123,9 @@ class State:
     and ``inline_total`` (Ray's inlining of small returns, see ``raydag.core.recovery``),
     ``gone`` (given values known lost before the compute began, e.g. made in an earlier
     Ray session: those it needs are recomputed at the start from their lineage, or it
-    fails naming the first without one).
+    fails naming the first without one). ``dependents``: each key's readers, if the
+    caller has them already (the graph's sets, kept as they are, not copied: 85 MB at
+    330k keys); derived from ``dependencies`` otherwise.
     """
 
     @_gc_paused
@@ -134,6 +136,7 @@ class State:
         outputs: Iterable[Key],
         *,
         capacity: float,
+        dependents: Mapping[Key, set] | None = None,
         available: Iterable[Key] = (),
         resources: Mapping[Key, Mapping[str, float]] | None = None,
         remote_args: Mapping[Key, Mapping[str, Any]] | None = None,
@@ -163,10 +166,14 @@ class State:
         cats: dict[str, str] = {}
         for k, deps in dependencies.items():
             cat = category(k)
-            self.tasks[k] = TaskState(k, frozenset(deps), priorities[k], cats.setdefault(cat, cat))
-        for k, ts in self.tasks.items():
-            for d in ts.dependencies:
-                self.tasks[d].dependents.add(k)
+            deps = deps if type(deps) is frozenset else frozenset(deps)
+            # the graph's own set of readers, shared (see ``Checkpointer.cut``)
+            readers = None if dependents is None else dependents[k]
+            self.tasks[k] = TaskState(k, deps, priorities[k], cats.setdefault(cat, cat), readers)
+        if dependents is None:
+            for k, ts in self.tasks.items():
+                for d in ts.dependencies:
+                    self.tasks[d].dependents.add(k)
         self.outputs = set(outputs)
         for k in self.outputs:
             self.tasks[k].output = True
@@ -243,6 +250,7 @@ class State:
             graph.dependencies,
             graph.priorities,
             graph.outputs,
+            dependents=graph.dependents,
             available=given,
             fixed=set(given) - graph.lineage,
             resources=options.resources,
