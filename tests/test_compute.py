@@ -786,3 +786,31 @@ def test_warm_up_imports_what_the_driver_has_in_a_worker_per_cpu():
             del sys.modules["no_such_module_raydag"]
     assert len(refs) == int(ray.cluster_resources()["CPU"])
     assert ray.get(refs) == [["xml.dom.minidom"]] * len(refs)
+
+
+def _sleepy_inc(x):
+    time.sleep(0.002)
+    return x + 1
+
+
+def test_a_large_graph_starts_on_a_provisional_order_then_takes_dask_order(monkeypatch):
+    """Above ``scheduling.order-later-above`` tasks the compute starts before dask.order
+    has run; its priorities come as an ``Ordered`` event while the compute runs."""
+    from raydag.core.events import Ordered
+    from raydag.core.graph import Graph
+    from raydag.core.state import State
+
+    handled = []
+    handle = State.handle
+    monkeypatch.setattr(State, "handle", lambda s, ev: handled.append(type(ev)) or handle(s, ev))
+    ordered = []
+    order = Graph.order
+    monkeypatch.setattr(Graph, "order", lambda g: ordered.append(len(g)) or order(g))
+    parts = [dask.delayed(_sleepy_inc)(i) for i in range(300)]
+    total = dask.delayed(sum)(parts)
+    with dask.config.set({"raydag.scheduling.order-later-above": 100}):
+        assert dask.compute(total, scheduler=raydag.ray_get) == (sum(range(1, 301)),)
+    assert ordered == [301] and Ordered in handled
+    with dask.config.set({"raydag.scheduling.order-later-above": None}):
+        assert dask.compute(total, scheduler=raydag.ray_get) == (sum(range(1, 301)),)
+    assert ordered == [301]  # ordered first, as always: no thread

@@ -351,3 +351,39 @@ def test_bundle_finders_are_asked_through_the_registry():
         assert sub.keys == ("m", "p0", "p1") and sub.returns == ("p0", "p1")
     finally:
         bundles._finders.remove(finder)
+
+
+# ---- the provisional order (#19) -------------------------------------------------------
+
+
+def _two_sums() -> dict:
+    """``s0 = c0 + c1``, ``s1 = c2 + c3``, each ``c`` the end of a chain ``r -> p -> c``."""
+    from operator import add
+
+    dsk: dict = {}
+    for i in range(4):
+        dsk[f"r{i}"] = i
+        dsk[f"p{i}"] = (abs, f"r{i}")
+        dsk[f"c{i}"] = (abs, f"p{i}")
+    dsk["s0"] = (add, "c0", "c1")
+    dsk["s1"] = (add, "c2", "c3")
+    return dsk
+
+
+def test_depth_first_makes_each_subtree_whole_before_the_next():
+    from raydag.core.graph import Graph, depth_first
+
+    g = Graph.from_dask(_two_sums(), ["s0", "s1"], order_later_above=0)
+    assert not g.ordered
+    p = g.priorities
+    assert p == depth_first(g.dependencies, ["s0", "s1"])
+    assert sorted(p.values()) == list(range(len(g)))
+    assert all(p[d] < p[k] for k, deps in g.dependencies.items() for d in deps)
+    for i in range(4):  # a chain's three tasks run one after the other
+        assert p[f"p{i}"] == p[f"r{i}"] + 1 and p[f"c{i}"] == p[f"p{i}"] + 1
+    for s, (a, b) in (("s0", ("c0", "c1")), ("s1", ("c2", "c3"))):
+        # a sum right after its last input: held at once, one chain's end and one chain
+        assert p[s] == max(p[a], p[b]) + 1
+    whole = Graph.from_dask(_two_sums(), ["s0", "s1"])
+    assert whole.ordered and g.order() == whole.priorities  # dask.order's, later
+    assert Graph.from_dask(_two_sums(), ["s0", "s1"], order_later_above=len(g)).ordered

@@ -56,6 +56,7 @@ from raydag.core.events import (
     InputLost,
     Instruction,
     NodeDied,
+    Ordered,
     Release,
     ResultsLost,
     StoresSampled,
@@ -542,6 +543,21 @@ class State:
     def _on_stores_sampled(self, ev: StoresSampled) -> None:
         self.placer.sampled(dict(ev.stores), dict(ev.idle))
 
+    def _on_ordered(self, ev: Ordered) -> None:
+        """The whole graph's order, come after the start: every key takes its priority
+        from it and the ready heaps are rebuilt, so what is chosen from now on follows
+        it (what runs or ran already ran in the provisional order)."""
+        tasks = self.tasks
+        for k, p in ev.priorities.items():
+            ts = tasks.get(k)
+            if ts is not None:
+                ts.priority = p
+        for heap in (self.ready, self.ready_sources, self.speculator.ready_long):
+            # stale entries (no longer ready) go; a key ready twice keeps both, as before
+            heap[:] = [(e[0], tasks[e[-1]].priority, *e[2:]) for e in heap
+                       if tasks[e[-1]].state == READY]  # fmt: skip
+            heapq.heapify(heap)
+
     def _on_checkpoint_written(self, ev: CheckpointWritten) -> None:
         self.checkpointer.written(ev)
 
@@ -871,6 +887,7 @@ _HANDLERS: dict[type, Callable[[State, Any], None]] = {
     Aborted: State._on_aborted,
     Tick: State._on_tick,
     StoresSampled: State._on_stores_sampled,
+    Ordered: State._on_ordered,
     CheckpointWritten: State._on_checkpoint_written,
     CheckpointFailed: State._on_checkpoint_failed,
 }
