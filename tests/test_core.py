@@ -371,6 +371,8 @@ def _two_sums() -> dict:
 
 
 def test_depth_first_makes_each_subtree_whole_before_the_next():
+    from dask.order import order
+
     from raydag.core.graph import Graph, depth_first
 
     g = Graph.from_dask(_two_sums(), ["s0", "s1"], order_later_above=0)
@@ -385,5 +387,13 @@ def test_depth_first_makes_each_subtree_whole_before_the_next():
         # a sum right after its last input: held at once, one chain's end and one chain
         assert p[s] == max(p[a], p[b]) + 1
     whole = Graph.from_dask(_two_sums(), ["s0", "s1"])
-    assert whole.ordered and g.order() == whole.priorities  # dask.order's, later
+    assert whole.ordered
+    later = g.order()  # dask.order's, of each part alone, the part begun first first
+    assert sorted(later.values()) == list(range(len(g)))
+    part = [f"{x}{i}" for i in (0, 1) for x in "rpc"] + ["s0"]  # s0's, begun first
+    assert max(later[k] for k in part) < min(v for k, v in later.items() if k not in part)
+    first = Graph.from_dask({k: _two_sums()[k] for k in part}, ["s0"])
+    assert sorted(part, key=later.__getitem__) == sorted(part, key=first.priorities.__getitem__)
+    one = Graph.from_dask(_two_sums() | {"t": (sum, ["s0", "s1"])}, ["t"], order_later_above=0)
+    assert one.order() == order(one.tasks)  # one part: dask.order's of the whole graph
     assert Graph.from_dask(_two_sums(), ["s0", "s1"], order_later_above=len(g)).ordered

@@ -283,8 +283,8 @@ class StoresSampled:
 
 @dataclass(frozen=True, slots=True)
 class Ordered:
-    """The whole graph's priorities (``dask.order``'s, lower runs first), computed while
-    the compute ran on a provisional order (``raydag.core.graph.depth_first``)."""
+    """The graph's priorities (``dask.order``'s, lower runs first: ``Graph.order``),
+    computed while the compute ran on a provisional order (``core.graph.depth_first``)."""
 
     priorities: Mapping[Key, int]
 
