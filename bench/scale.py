@@ -17,6 +17,8 @@ Contenders, each in a process of its own (its driver's peak RSS is its own):
   raydag        raydag.ray_get on an embedded Ray (bench/_common.start_ray), its run
                 record kept (the default)
   raydag-norecord  the same with raydag.record.enabled=False: the record's cost
+  raydag-orderfirst  the same with raydag.scheduling.order-later-above=None: dask.order
+                before the first task, as before the provisional order
   threads       dask's threaded scheduler (the machine's cores)
   distributed   distributed.LocalCluster(processes=True, n_workers=2, 1 thread each)
                 (skipped, and said so, if distributed is not installed)
@@ -28,7 +30,8 @@ process runs it, creates a mark file if none exists yet: its time is the first t
 start, the same rule for every contender), total, and the driver's peak RSS (VmHWM,
 the graph dict included; the RSS with the graph built is shown too). For raydag also
 its phases before the first submit, timed inside the compute: graph intake
-(``Graph.from_dask`` less ``dask.order``), ordering (``dask.order``), state start
+(``Graph.from_dask`` less ``dask.order``), ordering (``dask.order``: before the first
+task, or in a thread meanwhile above ``order-later-above`` tasks), state start
 (``State.from_graph`` and ``State.start``); and with --profile, a second raydag run
 under cProfile whose top functions (by own time) are printed.
 
@@ -51,6 +54,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from typing import Any
@@ -58,7 +62,14 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 TREE = os.path.dirname(HERE)
 TESTS = os.path.join(TREE, "tests")
-CONTENDERS = ("raydag", "raydag-norecord", "threads", "distributed", "ray_dask_get")
+CONTENDERS = (
+    "raydag",
+    "raydag-norecord",
+    "raydag-orderfirst",
+    "threads",
+    "distributed",
+    "ray_dask_get",
+)
 
 
 # ---- the tasks (importable as ``scale``: workers import them by reference) ----------
@@ -136,8 +147,9 @@ def _timed(owner: Any, name: str, into: dict, phase: str) -> None:
         t = time.perf_counter()
         try:
             return orig(*args, **kwargs)
-        finally:
-            into[phase] = into.get(phase, 0.0) + time.perf_counter() - t
+        finally:  # in another thread: ``phase`` (bg), run while the compute goes on
+            bg = threading.current_thread() is not threading.main_thread()
+            into[phase + " bg" * bg] = into.get(phase + " bg" * bg, 0.0) + time.perf_counter() - t
 
     if isinstance(static, classmethod):
         setattr(owner, name, staticmethod(timed))
@@ -181,6 +193,8 @@ def child(args: argparse.Namespace) -> None:
             get: Any = raydag.ray_get
             if args.contender == "raydag-norecord":  # the record's cost, by difference
                 dask.config.set({"raydag.record.enabled": False})
+            if args.contender == "raydag-orderfirst":  # ordered before the first task
+                dask.config.set({"raydag.scheduling.order-later-above": None})
         else:
             from ray.util.dask import ray_dask_get as get
     elif args.contender == "threads":
@@ -221,6 +235,8 @@ def child(args: argparse.Namespace) -> None:
             "order": phases.get("order", 0.0),
             "state": phases.get("state", 0.0),
         }
+        if "order bg" in phases:  # dask.order in a thread: as far as it got by the end
+            out["phases"]["order bg"] = phases["order bg"]
         rec = raydag.last_run()
         out["record"] = rec is not None
     if prof is not None:
@@ -355,7 +371,9 @@ def main() -> None:
     print(_common.table(HEADERS, rows))
     print()
     print("x raydag: the contender's total over raydag's (> 1: raydag is faster; '>': capped)")
-    print("phases: raydag's intake / order / state start, seconds inside the compute")
+    print("phases: raydag's intake / order / state start, seconds inside the compute;")
+    print("        order in brackets: dask.order in a thread while the compute ran (above")
+    print("        raydag.scheduling.order-later-above tasks; not raydag-orderfirst)")
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"load avg at the end: {load}")
     for key, got in results.items():
@@ -396,8 +414,14 @@ def _row(size: int, kind: str, c: str, r: dict, base: dict) -> list:
         ratio,
         None if "rss_peak" not in r else f"{r['rss_peak'] / mb:,.0f}",
         None if "rss_graph" not in r else f"{r['rss_graph'] / mb:,.0f}",
-        *(None if p not in ph else f"{ph[p]:.1f}" for p in ("intake", "order", "state")),
+        None if "intake" not in ph else f"{ph['intake']:.1f}",
+        f"({ph['order bg']:.1f})" if "order bg" in ph else _seconds(ph.get("order") or None),
+        None if "state" not in ph else f"{ph['state']:.1f}",
     ]
+
+
+def _seconds(x: float | None) -> str | None:
+    return None if x is None else f"{x:.1f}"
 
 
 def _trim(text: str) -> str:

@@ -705,7 +705,7 @@ def test_without_retries_annotation_the_flaky_task_fails(tmp_path, assert_store_
 
 
 def test_a_shared_callable_pickled_by_value_is_shipped_once_per_compute():
-    from raydag.runtime.worker import SHARED_PICKLE_BYTES, Shipper
+    from raydag.runtime.worker import SHARED_PICKLE_BYTES, Shipper, _unpack
 
     class Skim:  # a local class: cloudpickle ships it by value, as a notebook's
         def __init__(self):
@@ -720,10 +720,17 @@ def test_a_shared_callable_pickled_by_value_is_shipped_once_per_compute():
     first = [Task("a", skim, 1)]
     assert shipper.pack(first) == (first, ())  # once: as it is (a one-task compute)
     second, shared = shipper.pack([Task("b", skim, 2), Task("c", inc, TaskRef("b"))])
+    # the callable anywhere in the payload, not only as a task's own (a nested task's)
+    fourth, _ = shipper.pack([Task("f", skim, Task("g", skim, 4))])
     third, shared_again = shipper.pack([Task("e", skim, 3)])
     assert isinstance(second, bytes) and len(shared) == 1
     assert shared_again == shared  # one ray.put for the compute, named by every payload
     assert len(third) < len(ray.cloudpickle.dumps(skim))  # the callable is not in it
+    b, c = _unpack(second, shared)  # as a worker reads it: equal tasks, the callable's copy
+    assert (type(b), b.key, b.args, type(c), c.key, c.func) == (Task, "b", (2,), Task, "c", inc)
+    assert c.dependencies == {"b"} and type(b.func).__name__ == "Skim"
+    (f,) = _unpack(fourth, shared)
+    assert f(None) == 4 + 50 + 50 and f.func is b.func  # read once per worker process
     plain = [Task("d", inc, 1)]  # importable: pickled by reference, cheap, left alone
     assert shipper.pack(plain) == (plain, ())
 
@@ -779,3 +786,31 @@ def test_warm_up_imports_what_the_driver_has_in_a_worker_per_cpu():
             del sys.modules["no_such_module_raydag"]
     assert len(refs) == int(ray.cluster_resources()["CPU"])
     assert ray.get(refs) == [["xml.dom.minidom"]] * len(refs)
+
+
+def _sleepy_inc(x):
+    time.sleep(0.002)
+    return x + 1
+
+
+def test_a_large_graph_starts_on_a_provisional_order_then_takes_dask_order(monkeypatch):
+    """Above ``scheduling.order-later-above`` tasks the compute starts before dask.order
+    has run; its priorities come as an ``Ordered`` event while the compute runs."""
+    from raydag.core.events import Ordered
+    from raydag.core.graph import Graph
+    from raydag.core.state import State
+
+    handled = []
+    handle = State.handle
+    monkeypatch.setattr(State, "handle", lambda s, ev: handled.append(type(ev)) or handle(s, ev))
+    ordered = []
+    order = Graph.order
+    monkeypatch.setattr(Graph, "order", lambda g: ordered.append(len(g)) or order(g))
+    parts = [dask.delayed(_sleepy_inc)(i) for i in range(300)]
+    total = dask.delayed(sum)(parts)
+    with dask.config.set({"raydag.scheduling.order-later-above": 100}):
+        assert dask.compute(total, scheduler=raydag.ray_get) == (sum(range(1, 301)),)
+    assert ordered == [301] and Ordered in handled
+    with dask.config.set({"raydag.scheduling.order-later-above": None}):
+        assert dask.compute(total, scheduler=raydag.ray_get) == (sum(range(1, 301)),)
+    assert ordered == [301]  # ordered first, as always: no thread

@@ -352,3 +352,49 @@ def test_bundle_finders_are_asked_through_the_registry():
         assert sub.keys == ("m", "p0", "p1") and sub.returns == ("p0", "p1")
     finally:
         bundles._finders.remove(finder)
+
+
+# ---- the provisional order (#19) -------------------------------------------------------
+
+
+def _two_sums() -> dict:
+    """``s0 = c0 + c1``, ``s1 = c2 + c3``, each ``c`` the end of a chain ``r -> p -> c``."""
+    from operator import add
+
+    dsk: dict = {}
+    for i in range(4):
+        dsk[f"r{i}"] = i
+        dsk[f"p{i}"] = (abs, f"r{i}")
+        dsk[f"c{i}"] = (abs, f"p{i}")
+    dsk["s0"] = (add, "c0", "c1")
+    dsk["s1"] = (add, "c2", "c3")
+    return dsk
+
+
+def test_depth_first_makes_each_subtree_whole_before_the_next():
+    from dask.order import order
+
+    from raydag.core.graph import Graph, depth_first
+
+    g = Graph.from_dask(_two_sums(), ["s0", "s1"], order_later_above=0)
+    assert not g.ordered
+    p = g.priorities
+    assert p == depth_first(g.dependencies, ["s0", "s1"])
+    assert sorted(p.values()) == list(range(len(g)))
+    assert all(p[d] < p[k] for k, deps in g.dependencies.items() for d in deps)
+    for i in range(4):  # a chain's three tasks run one after the other
+        assert p[f"p{i}"] == p[f"r{i}"] + 1 and p[f"c{i}"] == p[f"p{i}"] + 1
+    for s, (a, b) in (("s0", ("c0", "c1")), ("s1", ("c2", "c3"))):
+        # a sum right after its last input: held at once, one chain's end and one chain
+        assert p[s] == max(p[a], p[b]) + 1
+    whole = Graph.from_dask(_two_sums(), ["s0", "s1"])
+    assert whole.ordered
+    later = g.order()  # dask.order's, of each part alone, the part begun first first
+    assert sorted(later.values()) == list(range(len(g)))
+    part = [f"{x}{i}" for i in (0, 1) for x in "rpc"] + ["s0"]  # s0's, begun first
+    assert max(later[k] for k in part) < min(v for k, v in later.items() if k not in part)
+    first = Graph.from_dask({k: _two_sums()[k] for k in part}, ["s0"])
+    assert sorted(part, key=later.__getitem__) == sorted(part, key=first.priorities.__getitem__)
+    one = Graph.from_dask(_two_sums() | {"t": (sum, ["s0", "s1"])}, ["t"], order_later_above=0)
+    assert one.order() == order(one.tasks)  # one part: dask.order's of the whole graph
+    assert Graph.from_dask(_two_sums(), ["s0", "s1"], order_later_above=len(g)).ordered

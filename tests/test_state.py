@@ -23,6 +23,7 @@ from raydag.core.events import (
     Cancel,
     CpusChanged,
     Fail,
+    Ordered,
     Recover,
     Release,
     ResultsLost,
@@ -339,6 +340,13 @@ class Driver:
     def change_capacity(self, slots: int) -> list:
         self.capacity = slots
         out = self.state.handle(CpusChanged(slots))
+        self._apply(out)
+        return out
+
+    def reorder(self, priorities: dict) -> list:
+        """dask.order's priorities come mid-run: the model ranks by them from now on."""
+        self.sc = dataclasses.replace(self.sc, priorities=priorities)
+        out = self.state.handle(Ordered(priorities))
         self._apply(out)
         return out
 
@@ -828,6 +836,25 @@ def test_random_capacity_changes(sc, data):
             d.finish(data.draw(st.sampled_from(sorted(d.inflight))))
     d.check_complete()
     d.label()
+
+
+@pytest.mark.core_only
+@SETTINGS
+@given(sc=scenarios(), data=st.data())
+def test_random_runs_reordered_midway(sc, data):
+    """The whole graph's order arriving while the compute runs on a provisional one
+    (``Ordered``, at any point, maybe twice): the same guarantees, and every choice
+    after it by the new priorities."""
+    d = Driver(sc)
+    d.start()
+    keys = list(sc.dependencies)
+    while d.inflight:
+        if data.draw(st.integers(0, 4)) == 4:
+            ranks = data.draw(st.permutations(range(len(keys))))
+            d.reorder(dict(zip(keys, ranks, strict=True)))
+        else:
+            d.finish(data.draw(st.sampled_from(sorted(d.inflight))))
+    d.check_complete()
 
 
 @pytest.mark.core_only
@@ -1700,6 +1727,27 @@ def test_diamond():
     assert releases(out) == {"a"} and set(d.inputs) == {"b", "c"}
     out = finish(s, d)
     assert releases(out) == {"b", "c"} and s.done
+
+
+def test_ordered_rekeys_what_is_ready():
+    """Started on a provisional order, the state machine takes dask.order's when it
+    comes: what is ready (sources and readers of intermediates alike) goes by it."""
+    deps = {f"r{i}": set() for i in range(4)} | {f"m{i}": {f"r{i}"} for i in range(4)}
+    provisional = {k: i for i, k in enumerate(sorted(deps))}  # m0..m3, r0..r3
+    s = State(deps, provisional, {f"m{i}" for i in range(4)}, capacity=2, fusion=NO_FUSION)
+    first = submits(s.start())
+    assert [x.root for x in first] == ["r0", "r1"]
+    later = {f"r{i}": 2 * (3 - i) for i in range(4)} | {f"m{i}": 2 * (3 - i) + 1 for i in range(4)}
+    assert s.handle(Ordered(later)) == []  # no slot free: nothing more runs yet
+    s.validate_state()
+    assert s.tasks["r3"].priority == 0
+    (nxt,) = submits(finish(s, first[0]))  # m0 and r3, r2 are ready: r3 goes first now
+    assert nxt.root == "r3" and nxt.priority == 0
+    (nxt,) = submits(finish(s, nxt))
+    assert nxt.root == "m3"  # its reader next, as the new order says
+    assert s.handle(Ordered({"m0": -1})) == []  # a key may be given alone
+    (nxt,) = submits(finish(s, first[1]))
+    assert nxt.root == "m0"
 
 
 def chain(n: int) -> dict:

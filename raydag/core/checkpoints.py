@@ -159,8 +159,8 @@ class Checkpointer:
             return
         tasks = self.s.tasks
         self.lineage[ts.key] = (ts.dependencies, ts.source)
-        for d in ts.dependencies:
-            tasks[d].dependents.discard(ts.key)
+        for d in ts.dependencies:  # a new set: the graph's may be shared (``State``)
+            tasks[d].dependents = tasks[d].dependents - {ts.key}
         ts.dependencies = frozenset()
         ts.source = True
         ts.restore = True
@@ -168,7 +168,7 @@ class Checkpointer:
     def _uncut(self, ts: TaskState) -> None:
         deps, source = self.lineage.pop(ts.key)
         for d in deps:
-            self.s.tasks[d].dependents.add(ts.key)
+            self.s.tasks[d].dependents = self.s.tasks[d].dependents | {ts.key}
         ts.dependencies = deps
         ts.source = source
         ts.restore = False

@@ -282,6 +282,14 @@ class StoresSampled:
 
 
 @dataclass(frozen=True, slots=True)
+class Ordered:
+    """The graph's priorities (``dask.order``'s, lower runs first: ``Graph.order``),
+    computed while the compute ran on a provisional order (``core.graph.depth_first``)."""
+
+    priorities: Mapping[Key, int]
+
+
+@dataclass(frozen=True, slots=True)
 class CheckpointWritten:
     """``key``'s checkpoint is written whole (``nbytes`` in the store)."""
 
@@ -311,6 +319,7 @@ Event = (
     | Aborted
     | Tick
     | StoresSampled
+    | Ordered
     | CheckpointWritten
     | CheckpointFailed
 )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,12 +65,36 @@ class Graph:
     # Those external keys whose producing tasks are in ``tasks``, so they can be
     # recomputed if their values are lost.
     lineage: set = field(default_factory=set)
+    # ``priorities`` are ``dask.order``'s; False: a provisional depth-first order, and
+    # ``order()`` gives dask.order's (computed while the compute runs: ``Ordered``)
+    ordered: bool = True
 
     def __len__(self) -> int:
         return len(self.tasks)
 
     def annotation(self, name: str, key: Key, default: Any = None) -> Any:
         return self.annotations.get(name, {}).get(key, default)
+
+    def order(self) -> dict[Key, int]:
+        """``dask.order``'s priorities, of each connected part of the graph alone, the
+        parts one after another in the order the provisional order began them.
+
+        Ordered while the compute runs, ``dask.order``'s working structures (a set or
+        two per key: 150 MB at 330k keys) come on top of the driver's: one part at a
+        time, they are a part's. Parts share no task: finishing one before starting the
+        next holds no more than interleaving them would (the values a part keeps are
+        its outputs), and the part under way goes on first. A graph of one part gets
+        dask.order's order of the whole graph, exactly.
+        """
+        tasks, dependencies = self.tasks, self.dependencies
+        priorities: dict[Key, int] = {}
+        for part in _parts(dependencies, self.dependents, self.priorities):
+            if len(part) == len(tasks):
+                return _order(tasks, dependencies)
+            ranks = _order({k: tasks[k] for k in part}, {k: dependencies[k] for k in part})
+            for k in sorted(ranks, key=ranks.__getitem__):
+                priorities[k] = len(priorities)
+        return priorities
 
     def unknown_annotations(self) -> list[str]:
         """Annotation names no scheduler is known to read (a typo: ``retires=2``)."""
@@ -84,6 +109,7 @@ class Graph:
         is_external: Callable[[Any], bool] = lambda value: False,
         find_external: Callable[[Key], Any] = lambda key: None,
         around: Mapping[str, Any] | None = None,
+        order_later_above: int | None = None,
     ) -> Graph:
         """``is_external`` tells given values (ObjectRefs) among the graph's data;
         ``find_external`` finds a given value for a key the graph only refers to (a
@@ -91,6 +117,8 @@ class Graph:
         A given value with a ``lineage`` mapping brings the tasks that made it.
         ``around``: the annotations active around the compute (``dask.get_annotations()``
         in the get), for every task whose layer does not give that name itself.
+        ``order_later_above``: a graph of more tasks gets a provisional depth-first order
+        (``depth_first``), and ``dask.order``'s is left to ``order()``.
         """
         annotations = _annotations(dsk)
         if not isinstance(dsk, Mapping):
@@ -115,9 +143,11 @@ class Graph:
             producers.update(made_by)
             return made_by[key]
 
-        outputs = set(flatten(keys)) if isinstance(keys, list) else {keys}
+        requested = list(flatten(keys)) if isinstance(keys, list) else [keys]  # as given
+        outputs = set(requested)
         tasks = _cull(tasks, outputs, resolve)
-        dependencies = {k: frozenset(t.dependencies) for k, t in tasks.items()}
+        # each node's own frozenset, not a copy: at 330k keys a copy is 80 MB
+        dependencies = {k: _frozen(t.dependencies) for k, t in tasks.items()}
         dependents: dict[Key, set] = {k: set() for k in tasks}
         for k, deps in dependencies.items():
             for d in deps:
@@ -134,16 +164,102 @@ class Graph:
             for k in tasks:
                 if k not in per_key:
                     per_key[k] = value(k) if callable(value) else value
+        later = order_later_above is not None and len(tasks) > order_later_above
         return cls(
             tasks=tasks,
             dependencies=dependencies,
             dependents=dependents,
             outputs=outputs,
-            priorities=order(tasks, dependencies=dict(dependencies)),
+            priorities=depth_first(dependencies, requested)
+            if later
+            else _order(tasks, dependencies),
+            ordered=not later,
             annotations={name: v for name, v in annotations.items() if v},
             external=external,
             lineage=lineage,
         )
+
+
+def depth_first(
+    dependencies: Mapping[Key, Iterable[Key]], outputs: Iterable[Key]
+) -> dict[Key, int]:
+    """A provisional order, linear in the graph: each output's inputs depth-first, every
+    task right after its inputs (a post-order walk from the outputs, in the graph's
+    order of outputs and of inputs).
+
+    It starts a compute in a twentieth of ``dask.order``'s time (0.08 s against 1.55 s of
+    CPU at 60k keys) and is the classic memory-frugal order on the shapes that matter most: a
+    fan-in's inputs are made one subtree at a time and the fan-in runs as soon as the
+    last is made, so the values in memory are one path's side inputs, not a level of
+    the graph. Worked example: outputs ``s0 = sum(c0, c1)`` and ``s1 = sum(c2, c3)``,
+    each ``c`` a chain ``r -> p -> c``: ``r0 p0 c0 r1 p1 c1 s0``, then ``s1``'s; at most
+    two chain ends and one chain's value are held. What it does not do that dask.order
+    does: weigh the inputs of a task against each other (the cheaper subtree first),
+    or start a root shared by many tasks early. Keys the outputs do not need come last.
+    """
+    priorities: dict[Key, int] = {}
+    done = priorities.__contains__
+    for out in (*outputs, *dependencies):
+        if done(out):
+            continue
+        stack = [(out, iter(dependencies[out]))]
+        while stack:
+            key, todo = stack[-1]
+            for d in todo:
+                if not done(d) and d in dependencies:
+                    stack.append((d, iter(dependencies[d])))
+                    break
+            else:
+                stack.pop()
+                if not done(key):
+                    priorities[key] = len(priorities)
+    return priorities
+
+
+def _parts(
+    dependencies: Mapping[Key, Iterable[Key]],
+    dependents: Mapping[Key, Iterable[Key]],
+    priorities: Mapping[Key, int],
+) -> list[list[Key]]:
+    """The graph's connected parts (tasks linked by any path of edges, either way),
+    each listed from its first key by ``priorities``, in the order of those keys."""
+    seen: set = set()
+    parts = []
+    for start in sorted(priorities, key=priorities.__getitem__):
+        if start in seen:
+            continue
+        seen.add(start)
+        part, todo = [], [start]
+        while todo:
+            k = todo.pop()
+            part.append(k)
+            for n in (*dependencies[k], *dependents[k]):
+                if n not in seen:
+                    seen.add(n)
+                    todo.append(n)
+        parts.append(part)
+    return parts
+
+
+def _frozen(deps: Iterable[Key]) -> frozenset:
+    return deps if type(deps) is frozenset else frozenset(deps)
+
+
+def _order(tasks: dict[Key, GraphNode], dependencies: dict[Key, frozenset]) -> dict[Key, int]:
+    """``dask.order``'s priorities, and its working structures freed at once.
+
+    ``dask.order`` works in closures that refer to one another, so its dicts and sets
+    (a set per key among them: 190 MB at 330k keys) outlive it as cyclic garbage until
+    the collector's next full pass, which may come long after, once the driver has
+    grown around them. The objects made before it are frozen (set aside from the
+    collector), so one collection walks only what ``order`` made, not the graph.
+    """
+    gc.freeze()
+    try:
+        return order(tasks, dependencies=dict(dependencies))
+    finally:
+        gc.collect()
+        gc.unfreeze()
 
 
 def _cull(

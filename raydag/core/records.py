@@ -52,11 +52,18 @@ class TaskState:
         "restore",
     )
 
-    def __init__(self, key: Key, dependencies: frozenset, priority: int, category: str) -> None:
+    def __init__(
+        self,
+        key: Key,
+        dependencies: frozenset,
+        priority: int,
+        category: str,
+        dependents: set | None = None,
+    ) -> None:
         self.key = key
         self.state = RELEASED
         self.dependencies = dependencies  # keys it reads
-        self.dependents: set = set()  # keys that read it
+        self.dependents: set = set() if dependents is None else dependents  # keys that read it
         self.priority = priority  # dask.order's: lower runs first
         self.category = category
         self.missing = 0  # dependencies not in memory (while waiting)

@@ -48,6 +48,7 @@ from raydag.core.events import (
     InputLost,
     Instruction,
     NodeDied,
+    Ordered,
     Recover,
     Release,
     ResultsLost,
@@ -203,6 +204,8 @@ class Recorder:
     ) -> tuple[Event | None, Sequence[Instruction]]:
         if isinstance(event, TaskErred):
             event = dataclasses.replace(event, error=_describe(event.error))
+        if isinstance(event, Ordered):  # a priority per key: not worth keeping
+            event = Ordered({})
         if isinstance(event, CpusChanged):
             self.transcript.append((t, Capacity(self._slots() if self._slots else event.cpus), ()))
         if any(isinstance(i, Fail) for i in instructions):

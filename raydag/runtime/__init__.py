@@ -91,6 +91,7 @@ def run(
         is_external=is_given,
         find_external=find_persisted,
         around=dask.get_annotations(),
+        order_later_above=config.get("scheduling.order-later-above"),
     )
     options = task_options(
         graph.tasks, graph.annotations, ray_remote_args, validate=validate_task_options

@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import queue
+import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ from raydag.core.events import (
     Instruction,
     NodeDied,
     NodeTakenDead,
+    Ordered,
     Recover,
     Release,
     StoresSampled,
@@ -120,7 +122,7 @@ class Runner:
         self._drain: ray.ObjectRef | None = None
         # Refs whose Ray task ended, as Ray's callbacks say (``_watch``): the loop waits
         # on this queue, not on every ref in flight, so a loop costs what ended in it.
-        self._ended: queue.SimpleQueue[ray.ObjectRef] = queue.SimpleQueue()
+        self._ended: queue.SimpleQueue[Any] = queue.SimpleQueue()
         _, _, self.pretask, self.posttask, _ = unpack_callbacks(callbacks)
         self.dask_state = _dask_state(graph) if callbacks else None
         self.checkpoints = checkpoints  # the writes in flight, the reads back
@@ -135,6 +137,8 @@ class Runner:
         """Run to the end; return the outputs' refs and nodes (the caller owns them now)."""
         try:
             self._step(None)
+            if not self.graph.ordered:
+                self._order_in_background()
             if self._awaiting_all:
                 tasks = self.state.tasks
                 self._unsubmitted = {k for k, ts in tasks.items() if ts.state in (WAITING, READY)}
@@ -173,6 +177,20 @@ class Runner:
             self._ended = queue.SimpleQueue()  # callbacks still to come go to a dropped one
             self._shipper = Shipper()  # its refs free the shared callables
 
+    def _order_in_background(self) -> None:
+        """``dask.order`` of the whole graph in a thread while the compute starts on the
+        provisional order; its priorities come through the queue the loop waits on, as
+        an event (``Ordered``). A compute that ends first drops them."""
+        ended, graph = self._ended, self.graph
+
+        def order() -> None:
+            try:
+                ended.put(Ordered(graph.order()))  # type: ignore[arg-type]
+            except Exception as e:  # the provisional order stays; the compute goes on
+                logger.warning("raydag: dask.order failed, keeping a depth-first order: %r", e)
+
+        threading.Thread(target=order, name="raydag-order", daemon=True).start()
+
     def _watch(self, ref: ray.ObjectRef) -> None:
         """Have Ray say when ``ref``'s task ends: it puts the ref in ``_ended``."""
         ended = self._ended
@@ -191,6 +209,9 @@ class Runner:
         while not self._ended.empty():  # and every other one ended by now
             refs.append(self._ended.get_nowait())
         for ref in refs:
+            if type(ref) is Ordered:  # dask.order's priorities (``_order_in_background``)
+                self._step(ref, quiet=True)
+                continue
             if self._drain is not None and ref == self._drain:
                 self._take_notes(wait=0)
                 continue

@@ -29,7 +29,7 @@ import ray
 import ray.cloudpickle
 from dask.sizeof import sizeof
 
-from raydag.compat import DataNode, Task
+from raydag.compat import DataNode, Task, TaskRef
 
 
 @dataclass
@@ -67,7 +67,7 @@ def run_group(
     ``resolve``: the tasks may hold ObjectRefs that dask inlined as data (the values of a
     ``ray_persist=True`` result, fused into a task): read them first, as Ray's would.
     ``shared``: refs of the callables the nodes share with other tasks of the compute,
-    when ``nodes`` comes packed by a ``Shipper`` (bytes that name them by position).
+    when ``nodes`` comes packed by a ``Shipper`` (a node's ``Shared`` names one).
     """
     if shared:
         nodes = _unpack(nodes, shared)
@@ -169,14 +169,15 @@ class Shipper:
     cannot import it pickles by value, code and all: the same one again for every
     partition. Here each task callable (``Task.func``) whose pickle is longer than
     ``SHARED_PICKLE_BYTES`` is ``ray.put`` once, when a second group has it (a compute
-    of one task puts nothing: a put costs the driver about 2 ms); the
-    group's nodes are pickled with it replaced by its position in the group's list of
-    refs (``persistent_id``), which goes with the Ray task; a worker process reads each
-    ref once and keeps it (``_unpack``). Groups without one go as they are.
+    of one task puts nothing: a put costs the driver about 2 ms). A group whose nodes
+    call one is pickled here (``_ShippingPickler``), each such callable named by its
+    position in the group's list of refs, which goes with the Ray task; a worker
+    process reads each ref once, keeps it, and unpickles the nodes with it
+    (``_unpack``). Groups without one go as they are, pickled by Ray.
 
     For 200 partitions of a skim whose tasks share one processor defined in a notebook,
     the processor is pickled and put once, not 200 times; each payload holds its
-    position (a byte) and each Ray task its ref::
+    position (a small int) and each Ray task its ref::
 
         payload, shared = shipper.pack(nodes)   # shared: () or refs for run_group
         remote_group.remote(payload, input_keys, notify, *inputs, shared=shared)
@@ -211,7 +212,7 @@ class Shipper:
         if not refs:
             return nodes, ()
         buf = io.BytesIO()
-        _SharingPickler(buf, index).dump(nodes)
+        _ShippingPickler(buf, index).dump(nodes)
         return buf.getvalue(), tuple(refs)
 
     def _ship(self, func: Any) -> ray.ObjectRef | None:
@@ -229,24 +230,40 @@ _FIRST = object()  # a callable not seen yet in this compute
 _ONCE = object()  # seen in one group: shipped with it, as any other
 
 
-class _SharingPickler(ray.cloudpickle.CloudPickler):
-    """Ray's cloudpickle, but the shared callables named by their position."""
+def _shared(at: int) -> Any:
+    """In a shipped payload, in place of a shared callable: the Ray task's ``at``-th
+    (``_unpack`` says which callables this payload's are, while it unpickles it)."""
+    return _reading.callables[at]
+
+
+_reading = threading.local()
+
+
+def _task(key: Any, func: Any, args: tuple, kwargs: dict, data_producer: bool) -> Any:
+    return Task(key, func, *args, _data_producer=data_producer, **kwargs)
+
+
+class _ShippingPickler(ray.cloudpickle.CloudPickler):
+    """Ray's cloudpickle, with the shared callables named by position and a plain
+    ``Task`` or ``TaskRef`` reduced in one Python call (cloudpickle's reducer, a
+    dispatch look-up in a ``ChainMap`` and dask's ``__getstate__`` were four, 9 us of
+    the 10 a task cost; a ``persistent_id`` is a Python call per object pickled, ints
+    and strings included). Anything else goes the way Ray would pickle it."""
 
     def __init__(self, file: io.BytesIO, index: dict[int, int]) -> None:
         super().__init__(file, protocol=ray.cloudpickle.DEFAULT_PROTOCOL)
         self._index = index
 
-    def persistent_id(self, obj: Any) -> int | None:
-        return self._index.get(id(obj))
-
-
-class _SharingUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, shared: list) -> None:
-        super().__init__(file)
-        self._shared = shared
-
-    def persistent_load(self, pid: Any) -> Any:
-        return self._shared[pid]
+    def reducer_override(self, obj: Any) -> Any:
+        cls = type(obj)
+        if cls is Task:
+            return _task, (obj.key, obj.func, obj.args, obj.kwargs, obj.data_producer)
+        if cls is TaskRef:
+            return TaskRef, (obj.key,)
+        at = self._index.get(id(obj))
+        if at is not None:
+            return _shared, (at,)
+        return super().reducer_override(obj)
 
 
 _shared_read: dict[str, Any] = {}  # this worker process's shared callables, by ref
@@ -262,7 +279,11 @@ def _unpack(blob: bytes, shared: tuple) -> list:
                 del _shared_read[next(iter(_shared_read))]
             _shared_read[key] = ray.cloudpickle.loads(ray.get(ref))
         callables.append(_shared_read[key])
-    return _SharingUnpickler(io.BytesIO(blob), callables).load()
+    _reading.callables = callables
+    try:
+        return pickle.loads(blob)
+    finally:
+        _reading.callables = None
 
 
 def _cancelled_by_ray() -> bool:
