@@ -1113,9 +1113,10 @@ class SpecDriver(Driver):
             self.spared += 1
         else:
             # the retry goes where Ray puts it (the first may have been sent to the node
-            # where a duplicate had just won), or away from a slow node
+            # where a duplicate had just won), away from a slow node, or at the tail
+            # to the free node of least pace
             assert all(
-                i.node is None or i.placed.startswith("away from slow")
+                i.node is None or i.placed.startswith(("away from slow", "the tail:"))
                 for i in out
                 if isinstance(i, Submit)
             ), out
