@@ -29,11 +29,12 @@ DEFAULTS = Speculation(enabled=True)  # raydag.yaml's, as nobody tuned them
 
 
 class Cluster:
-    """One-CPU nodes ``n0..``; ``slow`` runs ``factor`` times slower."""
+    """One-CPU nodes ``n0..``; ``slow`` (a node, or several) runs ``factor`` times slower."""
 
-    def __init__(self, nodes: int, slow: str | None, factor: float) -> None:
+    def __init__(self, nodes: int, slow: str | tuple[str, ...] | None, factor: float) -> None:
         self.ids = [f"n{i}" for i in range(nodes)]
-        self.slow, self.factor = slow, factor
+        self.slow = {slow} if isinstance(slow, str) else set(slow or ())
+        self.factor = factor
         self.busy: dict[str, int] = {}  # node -> copy running there
         self.queue: list[Submit] = []  # sent, not started
         self.ends: list[tuple[float, int]] = []  # (time, copy)
@@ -46,7 +47,7 @@ class Cluster:
         return [n for n in self.ids if n not in self.busy]
 
     def speed(self, node: str) -> float:
-        return self.factor if node == self.slow else 1.0
+        return self.factor if node in self.slow else 1.0
 
     def apply(self, out: list, length: dict) -> None:
         for ins in out:

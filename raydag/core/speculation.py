@@ -865,8 +865,11 @@ class Speculator:
             if not nodes:
                 continue
             node = min(nodes, key=lambda n: (self.expected_pace(n), -idle[n], n))
-            if fresh < left < math.inf and self.expected_pace(node) * fresh + sp.min_gain >= left:
-                continue  # even there a duplicate would not be expected to finish first
+            # a duplicate there must still be expected to finish first: at its pace as
+            # measured (a floor from overtaken copies), not weighed (that choice ranks
+            # nodes, but a weighed pace is above 1 on every node its runs leave in doubt)
+            if fresh < left < math.inf and self.pace(node) * fresh + sp.min_gain >= left:
+                continue
             idle[node] -= cpus
             s.nodes[node].free = idle[node]
             copy = s.new_copy(g, node=node, duplicate=True)
