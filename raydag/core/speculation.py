@@ -66,13 +66,48 @@ longer task, and no mix of lengths, explains that. The ratio is a floor of the n
 pace ``p`` (so a 2x node, never blocked, has its next straggler's time left estimated
 at 2x), and one ratio of ``slow_node`` or more judges it slow at once: the two ranked
 runs guard against a task longer than any seen, which a pair rules out. Nothing else
-raises the pace of a node not judged slow: in a category mixing lengths, a few runs
-ranked against the others cannot tell a slowed node from one that drew long tasks
-(a normal node that ran one 1.8-s task of a 0.2 s / 1.4 s mix ranks like a 5x one).
+judges a node not judged slow, nor sets its ``pace``: in a category mixing lengths, a
+few runs ranked against the others cannot tell a slowed node from one that drew long
+tasks (a normal node that ran one 1.8-s task of a 0.2 s / 1.4 s mix ranks like a 5x
+one); at the tail its pace is *weighed* instead (below).
 Worked example (6 one-CPU nodes, n0 hung, 17 tasks of 0.2-1.8 s): n0's copy of a
 0.35-s task is duplicated at the tail and overtaken when it has run 3.1 s: 8.9x, n0 is
 slow, and the final task, sent a moment later, goes (soft) to a node not slow rather
 than to the CPU n0's cancelled copy just freed, where it would hang until overdue.
+
+**Paces weighed, at the tail.** A rank at one factor cannot tell "slow node drew a
+short task" from "normal node drew a long one" in a category mixing lengths; nor see a
+2x node whose runs fall *between* its category's lengths. So at the tail (and only
+there: nothing here judges a node slow, blocks it or reorders work) each node's pace
+is weighed over paces ``p`` 1.25 apart (``posterior``). A run of ``x`` s at pace ``p`` is a
+task of ``x / p`` s at nominal speed drawn like the other nodes' runs of its category:
+its likelihood is their density at ``log x - log p`` (a Gaussian kernel over their log
+runs, Silverman's robust width); a run not finished (or a loser) lasted at least ``x``:
+the others' fraction at least ``x / p``. The prior is the cluster's: the mean of the
+other nodes' likelihoods, plus one node of any pace (uniform in ``log p``), so a node
+among normal ones needs more than one ambiguous run to weigh slow, and one among slow
+ones less. A copy's expected saving from a duplicate is the weighed
+``max(0, left_p - fresh_p)`` (a duplicate that loses costs only the idle CPU): duplicated
+past ``min_gain``; candidates in LATE's order (longest expected time left first); the
+duplicate goes to the free node of least weighed pace, if the copy is still expected to
+lose to it at that node's measured ``pace``. At the tail a first copy (the final task,
+say) goes, soft, to the free node of least weighed pace (``to_fastest``) when the free
+nodes differ. Worked example (3 nodes, one 5x; ``f`` mixes ~0.25-s and 1.3-1.8-s
+tasks): the others ran ``[0.23, 0.24, 0.25, 0.34, 1.26, 1.76]`` (kernel width 0.58 in
+log); n0 ran one 1.76-s run and is 0.57 s into another when n1 idles. Alone, n0's
+likelihood is 5.4x higher at 7.45 than at 1 (four short runs fit ``1.76 / p`` there, two
+long ones at 1); n1's and n2's paces lean to 1 (their runs split between both
+lengths), so weighed: 0.18 at 1, 0.19 at 1.25, ..., 0.04 at 4.77, mean 3.2. At pace 1
+the copy is a 1.76-s task with 1.19 s left, saves nothing; at 4.77 a 0.34-s one with
+1.05 s left, saves 0.71 s; weighed it saves 0.66 s > 0.25: duplicated, about 1.5 s
+before it would be overdue. Had n0 also run a 0.3-s task (no node 5x slow runs that),
+the weights sit at 1-2 (mean 1.4), the saving is 0.16 s: left to run. Kept
+conservative: a node with no finished run ranked weighs 1; the prior from the other
+nodes keeps one long run among normal nodes at 1 most likely. Silverman's width
+oversmooths a category of two tight lengths (a node whose runs fit no length at pace 1
+still weighs 1 at 30 % after three runs); a width by cross-validation separates that
+sharply but, on 5-7 runs, lost 3n 2x short mixed (1.19x to 1.41x in the simulated
+family): not taken.
 
 Why these thresholds: ``slow_node`` 3: avoiding a node ``r`` times slower loses at most
 ``1/r`` of one node's work, ``(1/3) / (n - 1 + 1/3)`` of the cluster's (14 % of 3 nodes,
