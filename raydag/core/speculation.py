@@ -258,6 +258,9 @@ class Speculator:
         self.overtaken: dict[str, list[float]] = {}
         # (node, CPUs): where a duplicate just won; the next first copies go there
         self.steer: tuple[str, float] | None = None
+        # nodes whose worker a forced cancel (a loser, a preempted duplicate) is stopping,
+        # till a copy starts there again: a first copy sent there waits for a new worker
+        self.restarting: set[str] = set()
 
     @property
     def enabled(self) -> bool:
@@ -554,7 +557,9 @@ class Speculator:
         """At the tail (no other task ready), a first copy goes (soft) to the free node of
         least ``expected_pace``, when the free nodes' paces differ: the compute's last
         task, say, rather than on a node its runs show likely slow but not judged so.
-        ``None`` away from the tail, or when the free nodes look alike."""
+        Never to a node whose worker a forced cancel is stopping (``restarting``): there
+        it would wait for a new worker process, seconds on a loaded machine. ``None``
+        away from the tail, or when the free nodes look alike."""
         s = self.s
         lead = s.tasks[group.lead]
         if not self.enabled or self.settings.slow_node is None or s.next_ready() is not None:
@@ -562,7 +567,11 @@ class Speculator:
         if not set(lead.resources or ()) <= {"CPU"} or lead.pinned:
             return None, ""
         cpus = s.cpus(group)
-        free = [n for n in s.nodes.values() if n.alive and n.free >= cpus and not self.slow(n.id)]
+        free = [
+            n
+            for n in s.nodes.values()
+            if n.alive and n.free >= cpus and not self.slow(n.id) and n.id not in self.restarting
+        ]
         if len(free) < 2:
             return None, ""
         paces = {n.id: self.expected_pace(n.id) for n in free}
@@ -688,6 +697,7 @@ class Speculator:
     # ---- copies --------------------------------------------------------------------
 
     def started(self, group: Group, copy: Copy) -> None:
+        self.restarting.discard(copy.node)  # a worker is up there
         if not copy.duplicate:  # a duplicate's CPU was taken when it was sent
             n = self.s.node(copy.node)
             n.free = max(0.0, n.free - self.s.cpus(group))
@@ -696,6 +706,10 @@ class Speculator:
         """Copy ``ev.copy`` of ``group`` won; the others are being cancelled."""
         winner = group.copies[ev.copy]
         losers = tuple(c for c in group.copies if c != ev.copy)
+        for cid in losers:  # a running loser's worker is stopped (a forced cancel)
+            c = group.copies[cid]
+            if c.node is not None and c.started is not None and c.node != ev.node:
+                self.restarting.add(c.node)
         if self.enabled:
             if ev.started:
                 self.s.now = max(self.s.now, ev.started + sum(ev.durations.values()))
@@ -780,6 +794,8 @@ class Speculator:
         for copy, cid, g in dups:
             if s.used and s.used + cost > capacity + 1e-9 and len(g.copies) > 1:
                 out.append(Cancel(cid, copy.node if s.is_alive(copy.node) else None))
+                if copy.node is not None and copy.started is not None:
+                    self.restarting.add(copy.node)
                 s.drop_copy(g, cid)
         return True
 
@@ -899,7 +915,9 @@ class Speculator:
             ]
             if not nodes:
                 continue
-            node = min(nodes, key=lambda n: (self.expected_pace(n), -idle[n], n))
+            node = min(
+                nodes, key=lambda n: (n in self.restarting, self.expected_pace(n), -idle[n], n)
+            )
             # a duplicate there must still be expected to finish first: at its pace as
             # measured (a floor from overtaken copies), not weighed (that choice ranks
             # nodes, but a weighed pace is above 1 on every node its runs leave in doubt)
