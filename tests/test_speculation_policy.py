@@ -214,8 +214,12 @@ def test_a_long_task_on_a_node_not_slow_is_not_duplicated_before_overdue():
     """Mixed category: a task 1.5 s in on a normal node is one of the ~2-s ones, with
     about 0.5 s left, less than a fresh copy would take: no duplicate, though CPUs idle
     at the tail. Once it has run min-gain (0.25 s) longer than every one of the
-    category's six finished runs (2.1 s) it is overdue: duplicated, no min-runtime."""
-    s, sub = _running_on_n0(SIX, {"f-0": set()})
+    category's ten finished runs (2.1 s) it is overdue: duplicated, no min-runtime.
+    (With SIX alone, two runs a node, the kernel over the others' four runs is so wide
+    that n0's 0.2-s and 2.1-s runs leave paces up to 4 in doubt: the weighed saving
+    duplicates it at the tail 1.5 s in.)"""
+    more = [(0.25, "n1"), (0.21, "n2"), (2.05, "n1"), (1.85, "n2")]
+    s, sub = _running_on_n0(SIX + more, {"f-0": set()})
     assert s.handle(Tick(11.5, {"n1": 1.0, "n2": 1.0})) == []
     assert s.handle(Tick(12.3, {"n1": 1.0, "n2": 1.0})) == []
     (dup,) = s.handle(Tick(12.4, {"n1": 1.0, "n2": 1.0}))
