@@ -92,7 +92,8 @@ past ``min_gain``; candidates in LATE's order (longest expected time left first)
 duplicate goes to the free node of least weighed pace, if the copy is still expected to
 lose to it at that node's measured ``pace``. At the tail a first copy (the final task,
 say) goes, soft, to the free node of least weighed pace (``to_fastest``) when the free
-nodes differ. Worked example (3 nodes, one 5x; ``f`` mixes ~0.25-s and 1.3-1.8-s
+nodes differ, but never to one whose worker a forced cancel is stopping (``restarting``):
+it would wait there for a new worker process. Worked example (3 nodes, one 5x; ``f`` mixes ~0.25-s and 1.3-1.8-s
 tasks): the others ran ``[0.23, 0.24, 0.25, 0.34, 1.26, 1.76]`` (kernel width 0.58 in
 log); n0 ran one 1.76-s run and is 0.57 s into another when n1 idles. Alone, n0's
 likelihood is 5.4x higher at 7.45 than at 1 (four short runs fit ``1.76 / p`` there, two
