@@ -1012,7 +1012,13 @@ class SpecDriver(Driver):
         over = None if mean is None else min(sp.multiplier * mean, mean + sp.min_gain)
         straggler = on_slow or (over is not None and ran > over)
         straggler = straggler or mean is None  # past 1.5x the longest run of any category
-        assert known_long or straggler or ran >= sp.min_runtime, (ran, sub)
+        # or its node's runs weigh a pace above 1 (``posterior``): the weighed saving
+        weighed = any(
+            self.state.speculator.posterior(self.node[c]) is not None
+            and self.state.speculator.expected_pace(self.node[c]) > 1
+            for c in self.live[gid]
+        )
+        assert known_long or straggler or weighed or ran >= sp.min_runtime, (ran, sub)
         assert len(self.live[gid]) <= sp.max_copies, ("too many copies", sub)
         self.launched[gid] = self.launched.get(gid, 0) + 1
         # a straggler whose duplicates all went (preempted, dead) may get another
