@@ -79,6 +79,60 @@ def test_a_result_is_written_once_its_lineage_cost_reaches_min_cost():
     s.validate_state()
 
 
+def _fan_in(n: int) -> dict:
+    return {**{f"x{i}": set() for i in range(n)}, "m": {f"x{i}" for i in range(n)}}
+
+
+def test_the_exposure_a_driver_death_would_redo_stays_within_min_cost_on_every_cpu():
+    """The worked example: 4 CPUs, min-cost 60 s, ten 40-s inputs of one merge (none
+    worth writing by itself). Six in memory expose 240 s, the budget; from the seventh
+    on, the largest exposed value is written, so a dead driver's rerun redoes 240
+    task-seconds (60 s on the 4 CPUs), not 400."""
+    s = make(_fan_in(10), ["m"], checkpoints=ON, capacity=4)
+    assert s.checkpointer.budget() == 240.0
+    subs = submits(s.start())
+    written, order = [], []
+    for _ in range(10):
+        sub = subs.pop(0)
+        order += sub.keys
+        out = finish(s, sub, 40.0)
+        subs += submits(out)
+        written += [c.key for c in instructions(out, Checkpoint)]
+        assert bool(written) == (len(order) > 6)
+        assert s.checkpointer.exposure <= 240.0
+    assert written == order[:4]  # 400 - 240 s: four; the largest first, ties the earliest
+    assert s.checkpointer.exposure == 240.0
+    (merge,) = subs
+    finish(s, merge, 1.0)  # the inputs released: nothing exposed but the output
+    assert set(s.checkpointer.exposed) <= {"m"}
+
+
+def test_the_exposure_follows_releases_losses_and_more_cpus():
+    deps = _fan_in(6)
+    # 8 CPUs: 480 s allowed; six 40-s inputs never reach it
+    s = make(deps, ["m"], checkpoints=ON, capacity=8)
+    subs = submits(s.start())
+    for sub in subs:
+        assert not instructions(finish(s, sub, 40.0), Checkpoint)
+    assert s.checkpointer.exposure == 240.0
+    s.handle(ResultsLost(("x0",), "gone"))  # a lost value is no longer exposed
+    s.validate_state()
+    assert "x0" not in s.checkpointer.exposed and s.checkpointer.exposure == 200.0
+    # per value (min-cost 0 on one CPU): every result is written, nothing exposed
+    s = make(deps, ["m"], checkpoints=dataclasses.replace(ON, min_cost=0.0), capacity=1)
+    (sub,) = submits(s.start())
+    assert instructions(finish(s, sub, 40.0), Checkpoint) == [Checkpoint(sub.keys[0])]
+    assert not s.checkpointer.exposed
+    # forbidden values are never written, nor counted: the others are written as before
+    s = make(deps, ["m"], checkpoints=ON, capacity=1, checkpoint_marks={"x0": False, "x1": False})
+    out, written = s.start(), []
+    for _ in range(6):
+        out = finish(s, submits(out)[0], 40.0)
+        written += [c.key for c in instructions(out, Checkpoint)]
+    assert len(written) == 3 and not {"x0", "x1"} & set(written)
+    assert not {"x0", "x1"} & set(s.checkpointer.exposed) and s.checkpointer.exposure == 40.0
+
+
 def test_annotations_and_categories_force_or_forbid_a_write():
     marks = {"a": True, "b": False}
     s = make(CHAIN, ["d"], checkpoints=ON, checkpoint_marks=marks)
