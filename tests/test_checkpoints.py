@@ -204,6 +204,24 @@ def test_resume_starts_from_the_checkpoints_found():
     assert [x.keys for x in submits(no_resume.start())] == [("a",)]
 
 
+def test_a_resumes_frontier_of_reads_is_submitted_at_once_not_a_slot_at_a_time():
+    """Six loads, six procs, one total; the six procs found. On 2 slots with cheap tasks
+    at a quarter of one, the six reads are all handed to Ray at the start; their loads
+    are never submitted."""
+    deps = {f"load-{i}": set() for i in range(6)}
+    deps.update({f"proc-{i}": {f"load-{i}"} for i in range(6)})
+    deps["total"] = {f"proc-{i}" for i in range(6)}
+    found = {f"proc-{i}" for i in range(6)}
+    s = make(deps, ["total"], checkpoints=ON, checkpointed=found, capacity=2, cheap_cost=0.25)
+    subs = submits(s.start())
+    s.validate_state()
+    assert {k for sub in subs for k in sub.restore} == found
+    assert all(sub.keys == sub.restore for sub in subs)  # nothing else: no load runs
+    # without checkpoints, the loads go a slot at a time (their runtime unknown)
+    s = make(deps, ["total"], capacity=2, cheap_cost=0.25)
+    assert len(submits(s.start())) == 2
+
+
 def test_an_unreadable_checkpoint_is_ignored_and_its_lineage_recomputed():
     s = make(CHAIN, ["d"], checkpoints=ON, checkpointed={"c"})
     (read,) = submits(s.start())
