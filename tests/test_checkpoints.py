@@ -591,6 +591,45 @@ def _compute(store, log, **settings):
         return raydag.get(graph(log, n=4, seconds=0.05), "total")
 
 
+def test_a_nodes_writes_go_to_its_writer_once_it_is_up_tasks_until_then(ray_cluster, tmp_path):
+    """The first write on a node is a task (its writer is starting); once the writer is
+    up, the node's writes are its calls; each is written whole; closing ends it."""
+    import time
+
+    import numpy as np
+    import ray
+
+    from raydag.core.events import CheckpointWritten
+    from raydag.runtime.checkpoints import Checkpointing, CheckpointStore
+
+    store = CheckpointStore(str(tmp_path / "store"))
+    store.open()
+    keys = [f"v{i}" for i in range(3)]
+    ck = Checkpointing(store, {k: f"name-{k}" for k in keys})
+    node = ray.get_runtime_context().get_node_id()
+    refs = {k: ray.put(np.full(1000, i)) for i, k in enumerate(keys)}
+    first = ck.write("v0", refs["v0"], node)
+    assert first not in ck._by  # a task: the writer is not up yet
+    deadline = time.monotonic() + 60
+    while ck._writer(node) is None:
+        assert time.monotonic() < deadline, "the writer never came up"
+        time.sleep(0.05)
+    later = [ck.write(k, refs[k], node) for k in keys[1:]]
+    assert all(ck._by.get(w) == node for w in later)  # the writer's calls
+    ended = [ck.ended(w) for w in (first, *later)]
+    assert all(isinstance(e, CheckpointWritten) for e in ended), ended
+    for i, k in enumerate(keys):
+        np.testing.assert_array_equal(store.read(f"name-{k}"), np.full(1000, i))
+    writer = ck.writers[node]
+    ck.close()
+    assert not ck.writers
+    deadline = time.monotonic() + 60
+    with pytest.raises(ray.exceptions.RayActorError):  # ended (calls run concurrently)
+        while time.monotonic() < deadline:
+            ray.get(writer.ready.remote(), timeout=60)
+            time.sleep(0.1)
+
+
 def test_a_corrupt_or_partial_checkpoint_is_ignored_with_a_warning(
     ray_cluster, tmp_path, caplog, assert_store_empty
 ):
