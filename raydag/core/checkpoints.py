@@ -27,9 +27,9 @@ outlives both (a directory, a shared filesystem, an object store: any fsspec URL
   catches what the per-value rule cannot: many values each under ``min_cost`` held
   together, typically the inputs of a fan-in (a merge of many partial results) waiting
   for the last of them.
-- **how**: ``Checkpoint(key)`` once the value is in memory; the Ray layer writes it in a
-  small Ray task of its own that reads the object, so the value's readers never wait for
-  the write and a failed write fails no task. The write reports ``CheckpointWritten`` or
+- **how**: ``Checkpoint(key)`` once the value is in memory; the Ray layer writes it
+  beside the value's readers (its node's writer, ``raydag.runtime.checkpoints``), so
+  they never wait for the write and a failed write fails no task. The write reports ``CheckpointWritten`` or
   ``CheckpointFailed``.
 - **reading back**: a key with a whole checkpoint (written here, or found in the store
   at the start: ``checkpointed``) that must be made again is *cut*: it reads nothing,
