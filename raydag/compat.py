@@ -19,6 +19,7 @@ raydag imports neither dask.dataframe nor coffea.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.metadata
@@ -208,6 +209,13 @@ def node_affinity(node: str, soft: bool) -> Any:
     if soft and _spills():
         return strategy(node, soft=True, _spill_on_unavailable=True)
     return strategy(node, soft=soft)
+
+
+def end_actor(actor: Any) -> None:
+    """End ``actor`` once the calls it was given before have run (Ray's
+    ``__ray_terminate__``, queued behind them; ``ray.kill`` would cut them short)."""
+    with contextlib.suppress(Exception):  # its node is gone: so is it
+        actor.__ray_terminate__.remote()
 
 
 # ---- Ray: task options, Dask-on-Ray callbacks (raydag.runtime.ray_hooks) ---------------

@@ -2,8 +2,8 @@
 (``python -c "import checkpoint_job; checkpoint_job.main()" STORE LOG OUT``), which a test
 kills with SIGKILL and runs again.
 
-Each task appends its key to a log file (one line, ``O_APPEND``), so a test counts the
-tasks each run ran.
+Each task appends its key and the time it ended to a log file (one line, ``O_APPEND``),
+so a test counts the tasks each run ran, and a benchmark which had ended by a kill.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import numpy as np
 
 
 def step(log: str, seconds: float, label: str, *inputs: np.ndarray) -> np.ndarray:
-    """Sleep, log ``label`` (its key, ``#``-prefixed: not a key itself), make an array."""
+    """Sleep, log ``label`` (its key, ``#``-prefixed: not a key itself) and the time,
+    make an array."""
     key = label.lstrip("#")
     time.sleep(seconds)
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
-        os.write(fd, f"{key}\n".encode())
+        os.write(fd, f"{key} {time.time():.3f}\n".encode())
     finally:
         os.close(fd)
     base = np.arange(20_000, dtype="f8") + len(key)
@@ -35,8 +36,21 @@ def graph(log: str, n: int = 8, seconds: float = 0.5) -> dict:
         dsk[f"load-{i}"] = (step, log, seconds, f"#load-{i}")
         dsk[f"proc-{i}"] = (step, log, seconds, f"#proc-{i}", f"load-{i}")
     for i in range(0, n, 2):
-        dsk[f"pair-{i}"] = (step, log, 0.05, f"#pair-{i}", f"proc-{i}", f"proc-{i + 1}")
-    dsk["total"] = (step, log, 0.05, "#total", *(f"pair-{i}" for i in range(0, n, 2)))
+        dsk[f"pair-{i}"] = (
+            step,
+            log,
+            seconds_of("pair", seconds),
+            f"#pair-{i}",
+            f"proc-{i}",
+            f"proc-{i + 1}",
+        )
+    dsk["total"] = (
+        step,
+        log,
+        seconds_of("total", seconds),
+        "#total",
+        *(f"pair-{i}" for i in range(0, n, 2)),
+    )
     return dsk
 
 
@@ -51,10 +65,21 @@ def gate(path: str, timeout: float = 120.0) -> float:
 
 
 def ran(log: str) -> list[str]:
+    """The keys of the tasks that ran, in the order they ended."""
+    return [k for k, _ in ended(log)]
+
+
+def ended(log: str) -> list[tuple[str, float]]:
+    """Each task run: its key and when it ended (``time.time()``)."""
     if not os.path.exists(log):
         return []
     with open(log) as f:
-        return f.read().split()
+        return [(k, float(t)) for k, t in (line.split() for line in f if line.strip())]
+
+
+def seconds_of(key: str, seconds: float) -> float:
+    """A task's own seconds in ``graph``: loads and processings ``seconds``, the rest 0.05."""
+    return seconds if key.startswith(("load-", "proc-")) else 0.05
 
 
 def main() -> None:

@@ -79,6 +79,60 @@ def test_a_result_is_written_once_its_lineage_cost_reaches_min_cost():
     s.validate_state()
 
 
+def _fan_in(n: int) -> dict:
+    return {**{f"x{i}": set() for i in range(n)}, "m": {f"x{i}" for i in range(n)}}
+
+
+def test_the_exposure_a_driver_death_would_redo_stays_within_min_cost_on_every_cpu():
+    """The worked example: 4 CPUs, min-cost 60 s, ten 40-s inputs of one merge (none
+    worth writing by itself). Six in memory expose 240 s, the budget; from the seventh
+    on, the largest exposed value is written, so a dead driver's rerun redoes 240
+    task-seconds (60 s on the 4 CPUs), not 400."""
+    s = make(_fan_in(10), ["m"], checkpoints=ON, capacity=4)
+    assert s.checkpointer.budget() == 240.0
+    subs = submits(s.start())
+    written, order = [], []
+    for _ in range(10):
+        sub = subs.pop(0)
+        order += sub.keys
+        out = finish(s, sub, 40.0)
+        subs += submits(out)
+        written += [c.key for c in instructions(out, Checkpoint)]
+        assert bool(written) == (len(order) > 6)
+        assert s.checkpointer.exposure <= 240.0
+    assert written == order[:4]  # 400 - 240 s: four; the largest first, ties the earliest
+    assert s.checkpointer.exposure == 240.0
+    (merge,) = subs
+    finish(s, merge, 1.0)  # the inputs released: nothing exposed but the output
+    assert set(s.checkpointer.exposed) <= {"m"}
+
+
+def test_the_exposure_follows_releases_losses_and_more_cpus():
+    deps = _fan_in(6)
+    # 8 CPUs: 480 s allowed; six 40-s inputs never reach it
+    s = make(deps, ["m"], checkpoints=ON, capacity=8)
+    subs = submits(s.start())
+    for sub in subs:
+        assert not instructions(finish(s, sub, 40.0), Checkpoint)
+    assert s.checkpointer.exposure == 240.0
+    s.handle(ResultsLost(("x0",), "gone"))  # a lost value is no longer exposed
+    s.validate_state()
+    assert "x0" not in s.checkpointer.exposed and s.checkpointer.exposure == 200.0
+    # per value (min-cost 0 on one CPU): every result is written, nothing exposed
+    s = make(deps, ["m"], checkpoints=dataclasses.replace(ON, min_cost=0.0), capacity=1)
+    (sub,) = submits(s.start())
+    assert instructions(finish(s, sub, 40.0), Checkpoint) == [Checkpoint(sub.keys[0])]
+    assert not s.checkpointer.exposed
+    # forbidden values are never written, nor counted: the others are written as before
+    s = make(deps, ["m"], checkpoints=ON, capacity=1, checkpoint_marks={"x0": False, "x1": False})
+    out, written = s.start(), []
+    for _ in range(6):
+        out = finish(s, submits(out)[0], 40.0)
+        written += [c.key for c in instructions(out, Checkpoint)]
+    assert len(written) == 3 and not {"x0", "x1"} & set(written)
+    assert not {"x0", "x1"} & set(s.checkpointer.exposed) and s.checkpointer.exposure == 40.0
+
+
 def test_annotations_and_categories_force_or_forbid_a_write():
     marks = {"a": True, "b": False}
     s = make(CHAIN, ["d"], checkpoints=ON, checkpoint_marks=marks)
@@ -148,6 +202,24 @@ def test_resume_starts_from_the_checkpoints_found():
         CHAIN, ["d"], checkpoints=dataclasses.replace(ON, resume=False), checkpointed="b"
     )
     assert [x.keys for x in submits(no_resume.start())] == [("a",)]
+
+
+def test_a_resumes_frontier_of_reads_is_submitted_at_once_not_a_slot_at_a_time():
+    """Six loads, six procs, one total; the six procs found. On 2 slots with cheap tasks
+    at a quarter of one, the six reads are all handed to Ray at the start; their loads
+    are never submitted."""
+    deps = {f"load-{i}": set() for i in range(6)}
+    deps.update({f"proc-{i}": {f"load-{i}"} for i in range(6)})
+    deps["total"] = {f"proc-{i}" for i in range(6)}
+    found = {f"proc-{i}" for i in range(6)}
+    s = make(deps, ["total"], checkpoints=ON, checkpointed=found, capacity=2, cheap_cost=0.25)
+    subs = submits(s.start())
+    s.validate_state()
+    assert {k for sub in subs for k in sub.restore} == found
+    assert all(sub.keys == sub.restore for sub in subs)  # nothing else: no load runs
+    # without checkpoints, the loads go a slot at a time (their runtime unknown)
+    s = make(deps, ["total"], capacity=2, cheap_cost=0.25)
+    assert len(submits(s.start())) == 2
 
 
 def test_an_unreadable_checkpoint_is_ignored_and_its_lineage_recomputed():
@@ -517,6 +589,45 @@ def _compute(store, log, **settings):
     conf.update({f"raydag.checkpoint.{k}": v for k, v in settings.items()})
     with dask.config.set(conf):
         return raydag.get(graph(log, n=4, seconds=0.05), "total")
+
+
+def test_a_nodes_writes_go_to_its_writer_once_it_is_up_tasks_until_then(ray_cluster, tmp_path):
+    """The first write on a node is a task (its writer is starting); once the writer is
+    up, the node's writes are its calls; each is written whole; closing ends it."""
+    import time
+
+    import numpy as np
+    import ray
+
+    from raydag.core.events import CheckpointWritten
+    from raydag.runtime.checkpoints import Checkpointing, CheckpointStore
+
+    store = CheckpointStore(str(tmp_path / "store"))
+    store.open()
+    keys = [f"v{i}" for i in range(3)]
+    ck = Checkpointing(store, {k: f"name-{k}" for k in keys})
+    node = ray.get_runtime_context().get_node_id()
+    refs = {k: ray.put(np.full(1000, i)) for i, k in enumerate(keys)}
+    first = ck.write("v0", refs["v0"], node)
+    assert first not in ck._by  # a task: the writer is not up yet
+    deadline = time.monotonic() + 60
+    while ck._writer(node) is None:
+        assert time.monotonic() < deadline, "the writer never came up"
+        time.sleep(0.05)
+    later = [ck.write(k, refs[k], node) for k in keys[1:]]
+    assert all(ck._by.get(w) == node for w in later)  # the writer's calls
+    ended = [ck.ended(w) for w in (first, *later)]
+    assert all(isinstance(e, CheckpointWritten) for e in ended), ended
+    for i, k in enumerate(keys):
+        np.testing.assert_array_equal(store.read(f"name-{k}"), np.full(1000, i))
+    writer = ck.writers[node]
+    ck.close()
+    assert not ck.writers
+    deadline = time.monotonic() + 60
+    with pytest.raises(ray.exceptions.RayActorError):  # ended (calls run concurrently)
+        while time.monotonic() < deadline:
+            ray.get(writer.ready.remote(), timeout=60)
+            time.sleep(0.1)
 
 
 def test_a_corrupt_or_partial_checkpoint_is_ignored_with_a_warning(

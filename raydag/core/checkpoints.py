@@ -16,9 +16,20 @@ outlives both (a directory, a shared filesystem, an object store: any fsspec URL
   more is written once ``max_size`` bytes were, or once the store refused a write
   (``CheckpointsOff``: a read-only or full store is reported once and the compute goes
   on without); a write lost with its node (the death recovery handles) is no reason to.
-- **how**: ``Checkpoint(key)`` once the value is in memory; the Ray layer writes it in a
-  small Ray task of its own that reads the object, so the value's readers never wait for
-  the write and a failed write fails no task. The write reports ``CheckpointWritten`` or
+- **what a dead driver would redo, in sum**: the rule above bounds what the loss of one
+  value redoes, but a driver's death loses every value in memory at once. Those not
+  written each cost less than ``min_cost``; their sum (the *exposure*: the lineage costs
+  of the kept values in memory that are not durable) is what a rerun would redo, spread
+  over the cluster's CPUs. The Checkpointer keeps it at most ``min_cost`` times the CPUs
+  (the same promise as for one value: a driver's death costs about ``min_cost`` of the
+  cluster's time in recomputation): once a finished group takes it over, the exposed
+  values with the largest lineage costs are written until it is under again. This
+  catches what the per-value rule cannot: many values each under ``min_cost`` held
+  together, typically the inputs of a fan-in (a merge of many partial results) waiting
+  for the last of them.
+- **how**: ``Checkpoint(key)`` once the value is in memory; the Ray layer writes it
+  beside the value's readers (its node's writer, ``raydag.runtime.checkpoints``), so
+  they never wait for the write and a failed write fails no task. The write reports ``CheckpointWritten`` or
   ``CheckpointFailed``.
 - **reading back**: a key with a whole checkpoint (written here, or found in the store
   at the start: ``checkpointed``) that must be made again is *cut*: it reads nothing,
@@ -35,10 +46,18 @@ Worked example: ``a -> b -> c`` (output ``c``), ``min_cost=60``; ``a`` runs 50 s
 The rerun is told ``checkpointed={"b"}``: ``start()`` cuts ``b`` (it reads nothing),
 ``a`` is not needed and stays released; ``b`` is submitted with ``restore=("b",)``,
 then ``c`` runs. Done: ``DropCheckpoints(("b",))``.
+
+Worked example of the exposure: 4 CPUs, ``min_cost=60``; ten inputs of 40 s each
+(``x0`` .. ``x9``, none worth writing by itself) feed one merge. After six are in memory
+the exposure is 240 s, the budget (60 x 4). The seventh makes it 280: the one with the
+largest lineage cost is written (all equal: the earliest), 240 again; so is one more
+per input after that. A driver killed before the merge runs leaves the rerun 240
+task-seconds to redo (60 s on the 4 CPUs), not 400.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -131,6 +150,13 @@ class Checkpointer:
         self.dropped = False
         # a cut key's own dependencies and source flag, to restore if its read fails
         self.lineage: dict[Key, tuple[frozenset, bool]] = {}
+        # the kept values in memory, not durable, by lineage cost: what a driver's
+        # death would redo (their sum, the exposure), and a max-heap of them (lazy:
+        # entries of keys gone since are skipped)
+        self.exposed: dict[Key, float] = {}
+        self.exposure = 0.0
+        self._heap: list[tuple[float, int, Key]] = []
+        self._seq = 0
         self.marks = {k: bool(v) for k, v in (marks or {}).items() if k in state.tasks}
         if self.enabled and settings.resume:
             for k in found:
@@ -188,24 +214,82 @@ class Checkpointer:
         for k in group.kept:
             ts = tasks[k]
             ts.behind = 0.0 if ts.restore else own + upstream
-            if not last and ts.state == MEMORY and ts.durable is None and self._worth(ts):
-                ts.durable = WRITING
-                self.written_bytes += ts.nbytes or 0
-                out.append(Checkpoint(k))
+            if last or ts.state != MEMORY or ts.durable is not None or not self._allowed(ts):
+                continue
+            if self._worth(ts):
+                self._write(ts, out)
+            elif ts.behind > 0:
+                self._expose(ts)
+        if not last:
+            self._bound(out)
 
     def _cost(self, ts: TaskState) -> float:
         return 0.0 if ts.given or ts.durable is not None else ts.behind
 
-    def _worth(self, ts: TaskState) -> bool:
+    def _allowed(self, ts: TaskState) -> bool:
+        """May be written at all (not forbidden, nor over ``max_size``, nor off)."""
         st = self.settings
-        if self.off or ts.given or ts.restore:
+        if self.off or ts.given or ts.restore or self.marks.get(ts.key) is False:
             return False
-        mark = self.marks.get(ts.key)
-        if mark is False:
-            return False
-        if st.max_size is not None and self.written_bytes + (ts.nbytes or 0) > st.max_size:
-            return False
-        return bool(mark) or ts.category in st.categories or ts.behind >= st.min_cost
+        return st.max_size is None or self.written_bytes + (ts.nbytes or 0) <= st.max_size
+
+    def _worth(self, ts: TaskState) -> bool:
+        """Worth writing by itself: forced, or its loss would redo ``min_cost``."""
+        st = self.settings
+        return (
+            bool(self.marks.get(ts.key))
+            or ts.category in st.categories
+            or (ts.behind >= st.min_cost)
+        )
+
+    def _write(self, ts: TaskState, out: list[Instruction]) -> None:
+        self.forget(ts)
+        ts.durable = WRITING
+        self.written_bytes += ts.nbytes or 0
+        out.append(Checkpoint(ts.key))
+
+    # ---- the exposure: what a driver's death would redo ----------------------------------
+
+    def _expose(self, ts: TaskState) -> None:
+        self.forget(ts)  # made again (a recomputation, a duplicate's win): counted once
+        self.exposed[ts.key] = ts.behind
+        self.exposure += ts.behind
+        self._seq += 1
+        heap = self._heap
+        if len(heap) > 2 * len(self.exposed) + 64:  # mostly keys gone since: rebuild
+            heap[:] = [e for e in heap if self.exposed.get(e[2]) == -e[0]]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (-ts.behind, self._seq, ts.key))
+
+    def forget(self, ts: TaskState) -> None:
+        """``ts``'s value left memory (released, lost) or is being written: no longer
+        exposed."""
+        cost = self.exposed.pop(ts.key, None)
+        if cost is not None:
+            self.exposure -= cost
+            if not self.exposed:
+                self.exposure = 0.0  # no drift from float sums
+                self._heap.clear()
+
+    def budget(self) -> float:
+        """The exposure allowed: ``min_cost`` on every CPU of the cluster."""
+        s = self.s
+        return self.settings.min_cost * max(1.0, s.capacity / max(s.in_flight_per_cpu, 1e-9))
+
+    def _bound(self, out: list[Instruction]) -> None:
+        """Write the exposed values with the largest lineage costs until the exposure is
+        within the budget."""
+        budget = self.budget()
+        heap, tasks = self._heap, self.s.tasks
+        while self.exposure > budget and heap and not self.off:
+            cost, _, k = heapq.heappop(heap)
+            if self.exposed.get(k) != -cost:  # gone since, or pushed again
+                continue
+            ts = tasks[k]
+            if self._allowed(ts):
+                self._write(ts, out)
+            else:
+                self.forget(ts)  # over max_size: no write would take it off the exposure
 
     def written(self, ev: CheckpointWritten) -> None:
         ts = self.s.tasks.get(ev.key)
@@ -264,6 +348,13 @@ class Checkpointer:
             out.append(DropCheckpoints(keys))
 
     def validate(self) -> None:
+        total = 0.0
+        for k, cost in self.exposed.items():
+            ts = self.s.tasks[k]
+            assert ts.state == MEMORY and ts.durable is None and not ts.given, k
+            assert cost == ts.behind > 0, k
+            total += cost
+        assert abs(total - self.exposure) <= 1e-6 * max(1.0, total), (total, self.exposure)
         for k, ts in self.s.tasks.items():
             assert ts.restore == (k in self.lineage), k
             if ts.restore:

@@ -91,10 +91,16 @@ class Fuser:
         return est is not None and est < self.settings.max_task_duration
 
     def cost(self, key: Key, estimate: float | None) -> float:
-        """Slots a group led by ``key`` takes: its CPUs, a fraction when measured cheap."""
-        r = self.s.tasks[key].resources
+        """Slots a group led by ``key`` takes: its CPUs, a fraction when measured cheap,
+        or when it is read back from its checkpoint (``raydag.core.checkpoints``): a read
+        runs none of the task's code, waits on I/O, and holds nothing in the object store
+        until it runs, so a resume's frontier of reads is handed to Ray at once (its CPUs
+        run them back to back, no round trip to the driver between two) rather than a
+        slot's worth at a time."""
+        ts = self.s.tasks[key]
+        r = ts.resources
         cpus = float(r.get("CPU", 1)) if r else 1.0
-        if estimate is not None and estimate < self.settings.max_task_duration:
+        if ts.restore or (estimate is not None and estimate < self.settings.max_task_duration):
             return cpus * self.s.cheap_cost
         return cpus
 

@@ -618,6 +618,7 @@ class State:
 
     def _forget(self, ts: TaskState) -> None:
         """Where a value lived, once it is gone."""
+        self.checkpointer.forget(ts)
         if ts.node is not None and ts.node in self.nodes:
             self.nodes[ts.node].held.discard(ts.key)
         if not ts.given:  # a given value's node is its owner's to know

@@ -277,8 +277,37 @@ def write_checkpoint(store: CheckpointStore, name: str, meta: dict, value: Any) 
 
 
 # A checkpoint is written beside the value's readers: no CPU of theirs (it waits on
-# I/O), no retry (a failed write is reported, and checkpoints go off).
+# I/O), no retry (a failed write is reported, and checkpoints go off). A value whose
+# node is unknown (inline in its owner) is written by such a task.
 remote_write = ray.remote(num_cpus=0, max_retries=0)(write_checkpoint)
+
+
+class Writer:
+    """One node's checkpoint writer, for one compute: a process of its own that writes
+    the node's values as they come (``WRITES_AT_ONCE`` at a time, threads: a write waits
+    on I/O and hashing, both outside the GIL).
+
+    Why an actor and not a task per write: a task with no CPU still needs a worker
+    process, and while the compute runs the node's workers are all busy with its tasks,
+    so Ray starts one for the write; idle a second later, beyond the node's CPU count,
+    Ray ends it again. Writes more than a second apart (one per long task: the case
+    checkpoints are for) each paid a worker's start: measured on 2 CPUs with 4-s tasks,
+    12 worker processes started for 15 writes against 4 without checkpoints, 14.6 more
+    CPU-seconds, 1.43x the makespan (bench/RESULTS.md, #20). The writer starts once per
+    node and compute, at the node's first write, and is never ended as idle. Until it
+    is up, the node's writes are tasks as before: a writer started with the compute
+    would compete with its first workers (a node starts only a few processes at a
+    time), and one waited for would hold the first checkpoints back by a process start.
+    """
+
+    def write(self, store: CheckpointStore, name: str, meta: dict, value: Any) -> int:
+        return store.write(name, value, meta)
+
+    def ready(self) -> bool:
+        return True
+
+
+WRITES_AT_ONCE = 2
 
 
 class ReadBack:
@@ -353,22 +382,72 @@ class Checkpointing:
         self.store = store
         self.names = names
         self.partial = list(partial)  # this graph's partial checkpoints found at the start
-        self.writes: dict[ray.ObjectRef, Key] = {}  # by the write task's ref
+        self.writes: dict[ray.ObjectRef, Key] = {}  # by the write's ref
+        self.writers: dict[str, Any] = {}  # node -> its Writer
+        self._by: dict[ray.ObjectRef, str] = {}  # a write's ref -> its writer's node
+        self._starting: dict[str, ray.ObjectRef] = {}  # node -> its writer's ready()
 
-    def write(self, key: Key, ref: ray.ObjectRef) -> ray.ObjectRef:
-        """Start writing ``key``'s value; the write task's ref, for the loop to watch."""
+    def write(self, key: Key, ref: ray.ObjectRef, node: str | None = None) -> ray.ObjectRef:
+        """Start writing ``key``'s value, held on ``node`` (None: unknown), beside its
+        readers; the write's ref, for the loop to watch."""
         meta = {"key": repr(key)}
-        write = remote_write.remote(self.store, self.names[key], meta, ref)
+        writer = None if node is None else self._writer(node)
+        if writer is None:
+            write = remote_write.remote(self.store, self.names[key], meta, ref)
+        else:
+            write = writer.write.remote(self.store, self.names[key], meta, ref)
+            self._by[write] = node  # type: ignore[assignment]
         self.writes[write] = key
         return write
+
+    def _writer(self, node: str) -> Any:
+        """``node``'s writer once it is up (None until then), started on the node's first
+        write (there only: a write elsewhere would fetch the value over the network)."""
+        if node not in self.writers:
+            from raydag.compat import node_affinity
+
+            writer = (
+                ray.remote(Writer)
+                .options(
+                    num_cpus=0,
+                    max_concurrency=WRITES_AT_ONCE,
+                    max_restarts=0,
+                    scheduling_strategy=node_affinity(node, soft=False),
+                )
+                .remote()
+            )
+            self.writers[node] = writer
+            self._starting[node] = writer.ready.remote()
+        starting = self._starting.get(node)
+        if starting is not None:
+            if not ray.wait([starting], timeout=0)[0]:
+                return None
+            del self._starting[node]  # up (or dead: its first write says so, and it goes)
+        return self.writers[node]
+
+    def close(self) -> None:
+        """End the writers once their writes in flight are done (the compute is over:
+        nothing is waited for here; a compute interrupted keeps what is being written)."""
+        from raydag.compat import end_actor
+
+        for writer in self.writers.values():
+            end_actor(writer)
+        self.writers.clear()
+        self._by.clear()
+        self._starting.clear()
 
     def ended(self, ref: ray.ObjectRef) -> Any:
         """The event a finished write means."""
         from raydag.core.events import CheckpointFailed, CheckpointWritten
 
         key = self.writes.pop(ref)
+        node = self._by.pop(ref, None)
         try:
             return CheckpointWritten(key, int(ray.get(ref)))
+        except ray.exceptions.RayActorError as e:  # its writer died: the next write starts one
+            if node is not None:
+                self.writers.pop(node, None)
+            return CheckpointFailed(key, e, lost=True)
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if isinstance(e.cause, BaseException) else e
             # the store's own error, or Ray's (the value to write lost with its node)
@@ -390,6 +469,7 @@ class Checkpointing:
                 cancel_tasks(refs, force=False)
             ray.wait(refs, num_returns=len(refs), timeout=self.WAIT)
             self.writes.clear()
+            self._by.clear()
 
     def drop(self, keys: Iterable[Key]) -> None:
         """Remove a done compute's checkpoints. Its writes still in flight are cancelled,

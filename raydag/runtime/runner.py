@@ -176,6 +176,8 @@ class Runner:
             self._drain = None
             self._ended = queue.SimpleQueue()  # callbacks still to come go to a dropped one
             self._shipper = Shipper()  # its refs free the shared callables
+            if self.checkpoints is not None:
+                self.checkpoints.close()  # its writers end after their writes
 
     def _order_in_background(self) -> None:
         """``dask.order`` of the whole graph in a thread while the compute starts on the
@@ -456,7 +458,8 @@ class Runner:
                     ins.saved,
                 )
             elif cls is Checkpoint:
-                self._watch(self.checkpoints.write(ins.key, self.values[ins.key]))  # type: ignore[union-attr]
+                node = self.state.tasks[ins.key].node  # where the value lives
+                self._watch(self.checkpoints.write(ins.key, self.values[ins.key], node))  # type: ignore[union-attr]
             elif cls is DropCheckpoints:
                 self.checkpoints.drop(ins.keys)  # type: ignore[union-attr]
             elif cls is CheckpointsOff:
