@@ -66,49 +66,13 @@ longer task, and no mix of lengths, explains that. The ratio is a floor of the n
 pace ``p`` (so a 2x node, never blocked, has its next straggler's time left estimated
 at 2x), and one ratio of ``slow_node`` or more judges it slow at once: the two ranked
 runs guard against a task longer than any seen, which a pair rules out. Nothing else
-judges a node not judged slow, nor sets its ``pace``: in a category mixing lengths, a
-few runs ranked against the others cannot tell a slowed node from one that drew long
-tasks (a normal node that ran one 1.8-s task of a 0.2 s / 1.4 s mix ranks like a 5x
-one); at the tail its pace is *weighed* instead (below).
+raises the pace of a node not judged slow: in a category mixing lengths, a few runs
+ranked against the others cannot tell a slowed node from one that drew long tasks
+(a normal node that ran one 1.8-s task of a 0.2 s / 1.4 s mix ranks like a 5x one).
 Worked example (6 one-CPU nodes, n0 hung, 17 tasks of 0.2-1.8 s): n0's copy of a
 0.35-s task is duplicated at the tail and overtaken when it has run 3.1 s: 8.9x, n0 is
 slow, and the final task, sent a moment later, goes (soft) to a node not slow rather
 than to the CPU n0's cancelled copy just freed, where it would hang until overdue.
-
-**Paces weighed, at the tail.** A rank at one factor cannot tell "slow node drew a
-short task" from "normal node drew a long one" in a category mixing lengths; nor see a
-2x node whose runs fall *between* its category's lengths. So at the tail (and only
-there: nothing here judges a node slow, blocks it or reorders work) each node's pace
-is weighed over paces ``p`` 1.25 apart (``posterior``). A run of ``x`` s at pace ``p`` is a
-task of ``x / p`` s at nominal speed drawn like the other nodes' runs of its category:
-its likelihood is their density at ``log x - log p`` (a Gaussian kernel over their log
-runs, Silverman's robust width); a run not finished (or a loser) lasted at least ``x``:
-the others' fraction at least ``x / p``. The prior is the cluster's: the mean of the
-other nodes' likelihoods, plus one node of any pace (uniform in ``log p``), so a node
-among normal ones needs more than one ambiguous run to weigh slow, and one among slow
-ones less. A copy's expected saving from a duplicate is the weighed
-``max(0, left_p - fresh_p)`` (a duplicate that loses costs only the idle CPU): duplicated
-past ``min_gain``; candidates in LATE's order (longest expected time left first); the
-duplicate goes to the free node of least weighed pace, if the copy is still expected to
-lose to it at that node's measured ``pace``. At the tail a first copy (the final task,
-say) goes, soft, to the free node of least weighed pace (``to_fastest``) when the free
-nodes differ, but never to one whose worker a forced cancel is stopping (``restarting``):
-it would wait there for a new worker process. Worked example (3 nodes, one 5x; ``f`` mixes ~0.25-s and 1.3-1.8-s
-tasks): the others ran ``[0.23, 0.24, 0.25, 0.34, 1.26, 1.76]`` (kernel width 0.58 in
-log); n0 ran one 1.76-s run and is 0.57 s into another when n1 idles. Alone, n0's
-likelihood is 5.4x higher at 7.45 than at 1 (four short runs fit ``1.76 / p`` there, two
-long ones at 1); n1's and n2's paces lean to 1 (their runs split between both
-lengths), so weighed: 0.18 at 1, 0.19 at 1.25, ..., 0.04 at 4.77, mean 3.2. At pace 1
-the copy is a 1.76-s task with 1.19 s left, saves nothing; at 4.77 a 0.34-s one with
-1.05 s left, saves 0.71 s; weighed it saves 0.66 s > 0.25: duplicated, about 1.5 s
-before it would be overdue. Had n0 also run a 0.3-s task (no node 5x slow runs that),
-the weights sit at 1-2 (mean 1.4), the saving is 0.16 s: left to run. Kept
-conservative: a node with no finished run ranked weighs 1; the prior from the other
-nodes keeps one long run among normal nodes at 1 most likely. Silverman's width
-oversmooths a category of two tight lengths (a node whose runs fit no length at pace 1
-still weighs 1 at 30 % after three runs); a width by cross-validation separates that
-sharply but, on 5-7 runs, lost 3n 2x short mixed (1.19x to 1.41x in the simulated
-family): not taken.
 
 Why these thresholds: ``slow_node`` 3: avoiding a node ``r`` times slower loses at most
 ``1/r`` of one node's work, ``(1/3) / (n - 1 + 1/3)`` of the cluster's (14 % of 3 nodes,
@@ -204,21 +168,6 @@ class Speculation:
         )
 
 
-def _log_kernel(logs: list[float], h: float, z: float, done: bool) -> float:
-    """log of the kernel density of the sorted ``logs`` (width ``h``) at ``z``; not
-    ``done``: of the fraction at least ``z`` (constants dropped: they cancel between
-    paces). Only the runs within 5 widths of ``z`` are summed: the rest add under 4e-6
-    each (a density), or count whole (those above, for the fraction)."""
-    lo, hi = bisect_left(logs, z - 5 * h), bisect_right(logs, z + 5 * h)
-    near = logs[lo:hi]
-    if done:
-        got = sum(math.exp(-0.5 * ((z - y) / h) ** 2) for y in near)
-    else:
-        w = h * math.sqrt(2)
-        got = 2 * (len(logs) - hi) + sum(math.erfc((z - y) / w) for y in near)
-    return math.log(max(got / len(logs), 1e-300))
-
-
 def _rank(sorted_xs: list[float], x: float) -> float:
     """The fraction of ``sorted_xs`` below ``x``, ties counted half."""
     lo, hi = bisect_left(sorted_xs, x), bisect_right(sorted_xs, x)
@@ -232,8 +181,6 @@ class Speculator:
     SEEDS = 64  # seeded runtimes kept as the runs of no node
     HIGH = 0.95  # the upper end of a category's runtimes when ``quantile`` is off
     SLOW_RANK = 0.9  # a run over ``slow_node`` still above this much of the others': slow
-    STEP = math.log(1.25)  # the paces a posterior weighs: 1.25 apart, up to 10^4
-    GRID = tuple(1.25**k for k in range(42))
 
     def __init__(self, state: State, settings: Speculation) -> None:
         self.s = state
@@ -249,19 +196,11 @@ class Speculator:
         self._others_now: dict[tuple[str, str | None], list[float]] = {}
         self._nominal_now: dict[str, list[float]] = {}
         self._pace_now: dict[str, float] = {}
-        # node -> its pace's posterior, ((pace, weight), ...) or None; (category, node) ->
-        # the others' log runs and the kernel's width (``posterior``)
-        self._posterior_now: dict[str, tuple[tuple[float, float], ...] | None] = {}
-        self._likelihood_now: dict[str, list[float] | None] = {}
-        self._kernel_now: dict[tuple[str, str | None], tuple[list[float], float]] = {}
         # node -> how many times longer its overtaken copies had run than the duplicate
         # that won took for the same task: a lower bound of its pace (``finished``)
         self.overtaken: dict[str, list[float]] = {}
         # (node, CPUs): where a duplicate just won; the next first copies go there
         self.steer: tuple[str, float] | None = None
-        # nodes whose worker a forced cancel (a loser, a preempted duplicate) is stopping,
-        # till a copy starts there again: a first copy sent there waits for a new worker
-        self.restarting: set[str] = set()
 
     @property
     def enabled(self) -> bool:
@@ -349,7 +288,6 @@ class Speculator:
                     del runs[:-1]
             self._others_now.clear()
             self._nominal_now.clear()
-            self._kernel_now.clear()
         ranks = self._ranks(node, sp.slow_node)  # type: ignore[arg-type]
         slow_runs = sum(u >= self.SLOW_RANK for u in ranks)
         # one copy overtaken on the same task, slow_node times over, is enough: the
@@ -432,96 +370,6 @@ class Speculator:
             got = self._pace_now[node] = math.exp(lo)
         return got
 
-    def _kernel(self, name: str, node: str) -> tuple[list[float], float]:
-        """The others' runs of ``name`` (``_others``) as logs, and the kernel's width:
-        Silverman's robust rule, ``0.9 min(sd, IQR / 1.34) n^(-1/5)``, at least half a
-        step of ``GRID`` (a narrower kernel would fall between the paces it weighs)."""
-        got = self._kernel_now.get((name, node))
-        if got is None:
-            logs = [math.log(x) for x in self._others(name, node) if x > 0]
-            h = self.STEP / 2
-            if len(logs) > 1:
-                mean = sum(logs) / len(logs)
-                sd = math.sqrt(sum((y - mean) ** 2 for y in logs) / (len(logs) - 1))
-                iqr = logs[(3 * len(logs)) // 4] - logs[len(logs) // 4]
-                spread = min(sd, iqr / 1.34) if iqr > 0 else sd
-                h = max(h, 0.9 * spread * len(logs) ** -0.2)
-            got = self._kernel_now[(name, node)] = (logs, h)
-        return got
-
-    def _likelihood(self, node: str) -> list[float] | None:
-        """How well each pace of ``GRID`` explains ``node``'s runs, normalized to sum 1;
-        ``None`` when it has no finished run to weigh. A run of ``x`` s at pace ``p`` is
-        a task of ``x / p`` s at nominal speed, drawn like the other nodes' runs of its
-        category: its likelihood is their density at ``log x - log p`` (a Gaussian
-        kernel over their log runs, ``_kernel``); a run not finished (running, or a
-        loser cancelled) lasted at least ``x``: the others' fraction at least ``x / p``
-        (censored)."""
-        if node in self._likelihood_now:
-            return self._likelihood_now[node]
-        terms = []
-        for name, x, done in self._evidence(node):
-            if x <= 0 or len(self._others(name, node)) < self.settings.slow_node_others:
-                continue
-            logs, h = self._kernel(name, node)
-            terms.append((logs, h, math.log(x), done))
-        got = None
-        if any(done for *_, done in terms):
-            ll = [
-                sum(_log_kernel(logs, h, z - math.log(p), done) for logs, h, z, done in terms)
-                for p in self.GRID
-            ]
-            top = max(ll)
-            ws = [math.exp(x - top) for x in ll]
-            total = sum(ws)
-            got = [w / total for w in ws]
-        self._likelihood_now[node] = got
-        return got
-
-    def posterior(self, node: str | None) -> tuple[tuple[float, float], ...] | None:
-        """``node``'s pace, weighed: ``((pace, weight), ...)`` over ``GRID`` (from the
-        floor its overtaken copies set), the weights summing to 1; ``None`` when it has
-        no finished run to weigh (then its pace is ``pace``'s). Its runs' likelihood
-        (``_likelihood``) times a prior drawn from the cluster itself: a node's pace is
-        a priori like the other nodes' (the mean of their likelihoods, and one node of
-        any pace, uniform in ``log p``, so no pace is ruled out a priori). Unlike a rank
-        at one fixed factor, this weighs every pace: runs that fall *between* a
-        category's lengths at pace 1 and on them at pace 2 say 2; one run that fits a
-        long task at 1 and a short one at 5 says "either", and the other nodes, mostly
-        at 1, tip it to 1, so "normal node, long task" is not taken for "slow node,
-        short task" on one run while nothing else in the cluster is slow."""
-        sp = self.settings
-        if node is None or sp.slow_node is None or not self.enabled:
-            return None
-        if node in self._posterior_now:
-            return self._posterior_now[node]
-        like = self._likelihood(node)
-        got = None
-        if like is not None:
-            prior = [1.0 / len(self.GRID)] * len(self.GRID)
-            for n in self.s.nodes.values():
-                other = self._likelihood(n.id) if n.alive and n.id != node else None
-                for i, w in enumerate(other or ()):
-                    prior[i] += w
-            floor = max([1.0, *self.overtaken.get(node, ())])
-            ws = [
-                (p, a * b if p >= floor - 1e-9 else 0.0)
-                for p, a, b in zip(self.GRID, like, prior, strict=True)
-            ]
-            total = sum(w for _, w in ws)
-            if total <= 0:  # its floor is past every pace its runs allow
-                ws, total = [(floor, 1.0)], 1.0
-            got = tuple((p, w / total) for p, w in ws if w > 1e-4 * total)
-        self._posterior_now[node] = got
-        return got
-
-    def expected_pace(self, node: str) -> float:
-        """``node``'s pace, weighed by ``posterior`` (a node judged slow: ``pace``)."""
-        post = None if self.slow(node) else self.posterior(node)
-        if post is None:
-            return self.pace(node)
-        return sum(p * w for p, w in post) / sum(w for _, w in post)
-
     def withheld(self) -> float:
         """Slots withheld from first copies: the slow nodes' CPUs not running one already,
         unless no node but slow ones is left (then work still runs there)."""
@@ -553,34 +401,6 @@ class Speculator:
         best.free = max(0.0, best.free - self.s.cpus(group))
         slow = sorted(n.id[:12] for n in self.s.nodes.values() if self.slow(n.id))
         return best.id, f"away from slow node {', '.join(slow)}"
-
-    def to_fastest(self, group: Group) -> tuple[str | None, str]:
-        """At the tail (no other task ready), a first copy goes (soft) to the free node of
-        least ``expected_pace``, when the free nodes' paces differ: the compute's last
-        task, say, rather than on a node its runs show likely slow but not judged so.
-        Never to a node whose worker a forced cancel is stopping (``restarting``): there
-        it would wait for a new worker process, seconds on a loaded machine. ``None``
-        away from the tail, or when the free nodes look alike."""
-        s = self.s
-        lead = s.tasks[group.lead]
-        if not self.enabled or self.settings.slow_node is None or s.next_ready() is not None:
-            return None, ""
-        if not set(lead.resources or ()) <= {"CPU"} or lead.pinned:
-            return None, ""
-        cpus = s.cpus(group)
-        free = [
-            n
-            for n in s.nodes.values()
-            if n.alive and n.free >= cpus and not self.slow(n.id) and n.id not in self.restarting
-        ]
-        if len(free) < 2:
-            return None, ""
-        paces = {n.id: self.expected_pace(n.id) for n in free}
-        best = min(free, key=lambda n: (paces[n.id], -n.free, n.id))
-        if paces[best.id] >= max(paces.values()) - 1e-9:
-            return None, ""
-        best.free = max(0.0, best.free - cpus)
-        return best.id, f"the tail: the free node of least pace ({paces[best.id]:.2f})"
 
     # ---- what goes first -------------------------------------------------------------
 
@@ -672,33 +492,19 @@ class Speculator:
                 return None
             ran = s.now - c.started
             longest = nominal[-1] + sp.min_gain if len(nominal) >= sp.min_samples else math.inf
-            post = None if self.slow(c.node) else self.posterior(c.node)
             if ran > min(sp.multiplier * high, longest):  # overdue: past the upper end
                 left, fresh = math.inf, high
-            elif post is None:
-                left, fresh = self._left(nominal, ran, self.pace(c.node))
-            else:  # weighed: a duplicate saves max(0, left - fresh) at each pace
-                fresh = gain = 0.0
-                for p, w in post:
-                    lp, fp = self._left(nominal, ran, p)
-                    fresh += w * fp
-                    gain += w * max(0.0, lp - fp)
-                left = fresh + gain
+            else:
+                p = self.pace(c.node)
+                longer = nominal[bisect_left(nominal, ran / p) :]
+                length = median(longer) if longer else ran / p
+                left, fresh = p * length - ran, length
             best = min(best, (left, fresh))
         return best
-
-    @staticmethod
-    def _left(nominal: list[float], ran: float, p: float) -> tuple[float, float]:
-        """(seconds left, seconds afresh) of a copy ``ran`` s into a task at pace ``p``:
-        its nominal length the median of those at least ``ran / p``."""
-        longer = nominal[bisect_left(nominal, ran / p) :]
-        length = median(longer) if longer else ran / p
-        return p * length - ran, length
 
     # ---- copies --------------------------------------------------------------------
 
     def started(self, group: Group, copy: Copy) -> None:
-        self.restarting.discard(copy.node)  # a worker is up there
         if not copy.duplicate:  # a duplicate's CPU was taken when it was sent
             n = self.s.node(copy.node)
             n.free = max(0.0, n.free - self.s.cpus(group))
@@ -707,10 +513,6 @@ class Speculator:
         """Copy ``ev.copy`` of ``group`` won; the others are being cancelled."""
         winner = group.copies[ev.copy]
         losers = tuple(c for c in group.copies if c != ev.copy)
-        for cid in losers:  # a running loser's worker is stopped (a forced cancel)
-            c = group.copies[cid]
-            if c.node is not None and c.started is not None and c.node != ev.node:
-                self.restarting.add(c.node)
         if self.enabled:
             if ev.started:
                 self.s.now = max(self.s.now, ev.started + sum(ev.durations.values()))
@@ -795,8 +597,6 @@ class Speculator:
         for copy, cid, g in dups:
             if s.used and s.used + cost > capacity + 1e-9 and len(g.copies) > 1:
                 out.append(Cancel(cid, copy.node if s.is_alive(copy.node) else None))
-                if copy.node is not None and copy.started is not None:
-                    self.restarting.add(copy.node)
                 s.drop_copy(g, cid)
         return True
 
@@ -811,9 +611,6 @@ class Speculator:
         self._others_now.clear()
         self._nominal_now.clear()
         self._pace_now.clear()
-        self._posterior_now.clear()
-        self._likelihood_now.clear()
-        self._kernel_now.clear()
 
     def ticked(self, tick: Tick) -> None:
         """Ray's view of the free CPUs replaces raydag's."""
@@ -845,9 +642,8 @@ class Speculator:
             self._speculate(out, tick=type(event) is Tick)
         self.steer = None
 
-    def _candidates(self) -> list[tuple[float, int, int, float, float]]:
-        """(-time left, priority, group id, time left, afresh) of the groups worth a
-        duplicate now."""
+    def _candidates(self) -> list[tuple[float, int, int]]:
+        """(-time left, priority, group id) of the groups worth a duplicate now."""
         sp, s = self.settings, self.s
         out = []
         for g in s.groups.values():
@@ -876,8 +672,7 @@ class Speculator:
                     continue
             elif not (late or self.long(g.lead, ran)):
                 continue
-            # LATE: the longest expected time left first (the copy that would end last)
-            out.append((-left, s.tasks[g.lead].priority, g.id, left, fresh))
+            out.append((-left, s.tasks[g.lead].priority, g.id))
         return sorted(out)
 
     def _overdue_unknown(self) -> float:
@@ -903,7 +698,7 @@ class Speculator:
             return
         if not tick and any(c.node is None for g in s.groups.values() for c in g.copies.values()):
             return
-        for _, _, gid, left, fresh in self._candidates():
+        for _, _, gid in self._candidates():
             if len(self.in_flight) >= sp.max_in_flight:
                 return
             g = s.groups[gid]
@@ -916,14 +711,7 @@ class Speculator:
             ]
             if not nodes:
                 continue
-            node = min(
-                nodes, key=lambda n: (n in self.restarting, self.expected_pace(n), -idle[n], n)
-            )
-            # a duplicate there must still be expected to finish first: at its pace as
-            # measured (a floor from overtaken copies), not weighed (that choice ranks
-            # nodes, but a weighed pace is above 1 on every node its runs leave in doubt)
-            if fresh < left < math.inf and self.pace(node) * fresh + sp.min_gain >= left:
-                continue
+            node = max(nodes, key=lambda n: (idle[n], n))
             idle[node] -= cpus
             s.nodes[node].free = idle[node]
             copy = s.new_copy(g, node=node, duplicate=True)

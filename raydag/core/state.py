@@ -679,8 +679,6 @@ class State:
             node, why = self.speculator.steered(group)
         if node is None:
             node, why = self.speculator.away_from_slow(group)
-        if node is None:
-            node, why = self.speculator.to_fastest(group)
         self.out.append(self.submit(group, copy, node=node, soft=node is not None, placed=why))
 
     def _restart(self, group: Group, copy: int) -> None:
