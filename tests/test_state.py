@@ -644,8 +644,12 @@ class Driver:
         else:
             assert not any(k in self.piece_of for k in keys), ("piece outside its bundle", sub)
             # kept: the outputs and what a task outside the group reads
-            kept = tuple(
-                k for k in keys if k in sc.outputs or self.dependents[k] - members - self.finished
+            kept = tuple(  # and a given value recomputed: handed back to its owner
+                k
+                for k in keys
+                if k in sc.outputs
+                or k in sc.available
+                or self.dependents[k] - members - self.finished
             )
             assert sub.kept == kept, (sub, kept)
         # shape of a group: topological, inputs held

@@ -269,13 +269,15 @@ class Fuser:
         return cat is not None and cat.count >= PROBES
 
     def kept(self, keys: tuple) -> tuple:
-        """The members of a group whose values leave its Ray task: the outputs, and
+        """The members of a group whose values leave its Ray task: those that must
+        (outputs, given values recomputed after a loss, which the Ray layer hands back
+        to their owner, and keys annotated ``checkpoint=True``: ``_fusable``), and
         those a task outside the group has still to read."""
         members, tasks = set(keys), self.s.tasks
         done = (MEMORY, RELEASED)
         return tuple(
             k
             for k in keys
-            if tasks[k].output
+            if not self._fusable(k)
             or any(d not in members and tasks[d].state not in done for d in tasks[k].dependents)
         )

@@ -347,9 +347,9 @@ class Runner:
             return [TaskErred(sub.copy, outcome.error_key, unpack_exception(outcome.error))]
         for k, ref in zip(sub.kept, value_refs, strict=True):
             self.values[k] = ref
-        given = self.graph.external.get(sub.root)
-        if isinstance(given, Persisted):  # recomputed after a loss: heal the collection
-            given.heal(value_refs[-1], outcome.node)
+            given = self.graph.external.get(k)
+            if isinstance(given, Persisted):  # recomputed after a loss: heal the collection
+                given.heal(ref, outcome.node)
         if self.dask_state is not None:
             self._posttask(sub, outcome)
         durations = dict(zip(sub.keys, outcome.durations, strict=True))
