@@ -131,6 +131,19 @@ def completions(log: str, since: float = 0.0) -> Counter:
     return Counter(r.label for r in runs(log, since) if r.end is not None)
 
 
+def duplicates() -> Counter:
+    """The copies speculation added in the last compute, by key: an extra run of a key
+    it duplicated (a copy of a short task at the tail, started as the first ended) is
+    no re-execution."""
+    import raydag
+
+    run = raydag.last_run()
+    if run is None:
+        return Counter()
+    ev = run.events
+    return Counter(ev[ev.event == "duplicated"].key)
+
+
 @dataclass
 class Death:
     node: str
@@ -461,7 +474,7 @@ def assert_stores_empty(timeout: float = 5.0, orphan_timeout: float = 30.0) -> N
     held = references()
     assert not held, (
         f"{n} objects ({pinned} pinned bytes) left in the stores after {timeout} s, "
-        f"referenced by: {held}"
+        f"referenced by: {held}; held in this process by: {holders(held)}"
     )
     t0, orphans = time.monotonic(), pinned
     while (pinned := _new_pinned()) and time.monotonic() < t0 + orphan_timeout:
@@ -514,6 +527,27 @@ def references() -> list[dict]:
     entries = (e.as_dict() for e in construct_memory_table(stats).table)
     keep = ("pid", "type", "reference_type", "object_size", "object_ref")
     return [{k: e[k] for k in keep} for e in entries if e["reference_type"] != "ACTOR_HANDLE"]
+
+
+def holders(held: list[dict]) -> dict[str, list[str]]:
+    """Where this process keeps the refs of ``held`` with a size (values made): for each,
+    the containers holding it and what holds those (type names, a frame's function),
+    for a failure's message."""
+    sized = {h["object_ref"] for h in held if h["pid"] == os.getpid() and h["object_size"] >= 0}
+    out: dict[str, list[str]] = {}
+
+    def name(o: object) -> str:
+        if hasattr(o, "f_code"):
+            return f"frame {o.f_code.co_name} ({o.f_code.co_filename}:{o.f_lineno})"
+        return type(o).__qualname__
+
+    for c in gc.get_objects():
+        items = c.values() if isinstance(c, dict) else c if isinstance(c, list | tuple) else ()
+        for x in items:
+            if isinstance(x, ray.ObjectRef) and x.hex() in sized:
+                up = [name(r) for r in gc.get_referrers(c)][:5]
+                out.setdefault(x.hex(), []).append(f"{type(c).__name__} in {up}")
+    return out
 
 
 def ensure_nodes(c: MultiNodeCluster, n: int = 3) -> None:

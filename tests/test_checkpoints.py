@@ -591,6 +591,7 @@ def _compute(store, log, **settings):
         return raydag.get(graph(log, n=4, seconds=0.05), "total")
 
 
+@pytest.mark.ray_only  # the dask version plays no part: once, in the tests session
 def test_a_nodes_writes_go_to_its_writer_once_it_is_up_tasks_until_then(ray_cluster, tmp_path):
     """The first write on a node is a task (its writer is starting); once the writer is
     up, the node's writes are its calls; each is written whole; closing ends it."""

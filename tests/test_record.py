@@ -275,6 +275,7 @@ def test_performance_report_written_when_the_block_raises(tmp_path):
     assert path.exists() and "failed" in path.read_text()
 
 
+@pytest.mark.core_only  # the dask version plays no part: once, in the tests session
 def test_cli_report(simulated, tmp_path):
     import subprocess
     import sys

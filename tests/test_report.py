@@ -115,6 +115,7 @@ def test_report_of_faults_in_browser(tmp_path):
     check_in_browser(html, tmp_path, figures=4)
 
 
+@pytest.mark.ray_only  # the dask version plays no part: once, in the tests session
 def test_report_of_a_real_run_in_browser(ray_cluster, tmp_path):
     html = tmp_path / "real.html"
     with raydag.performance_report(html):

@@ -325,6 +325,7 @@ NEW_SESSION_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.ray_only  # the dask version plays no part: once, in the tests session
 def test_persisted_results_of_an_earlier_ray_session_run_from_their_lineage(tmp_path):
     """After ``ray.shutdown()`` and a new ``ray.init()`` (here on the same cluster, as a
     new job) the persisted values are gone: a compute recomputes them from the lineage
