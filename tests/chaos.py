@@ -132,9 +132,7 @@ def completions(log: str, since: float = 0.0) -> Counter:
 
 
 def duplicates() -> Counter:
-    """The copies speculation added in the last compute, by key: an extra run of a key
-    it duplicated (a copy of a short task at the tail, started as the first ended) is
-    no re-execution."""
+    """The copies speculation added in the last compute, by key."""
     import raydag
 
     run = raydag.last_run()
@@ -142,6 +140,20 @@ def duplicates() -> Counter:
         return Counter()
     ev = run.events
     return Counter(ev[ev.event == "duplicated"].key)
+
+
+def less_duplicates(got: Counter, expected: Mapping[str, int]) -> Counter:
+    """``got`` with each key's runs past ``expected`` forgiven, up to the duplicates
+    speculation made of it: a copy of a short task at the tail, started as the first
+    ended, may finish too, and is no re-execution; a duplicate that was cancelled
+    finished nothing, and forgives nothing."""
+    dups = duplicates()
+    out = Counter(got)
+    for key, n in dups.items():
+        extra = out[key] - expected.get(key, 0)
+        if extra > 0:
+            out[key] -= min(n, extra)
+    return +out
 
 
 @dataclass

@@ -42,6 +42,22 @@ class Node:
     alive: bool = True
 
 
+@contextlib.contextmanager
+def _ray_tmpdir(path: str) -> Iterator[None]:
+    """``Cluster`` writes the head's address to ``$RAY_TMPDIR/ray/ray_current_cluster``
+    (``/tmp/ray`` by default, which a fresh machine lacks and other clusters share):
+    point it into this cluster's own directory while the head starts."""
+    before = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = path
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["RAY_TMPDIR"]
+        else:
+            os.environ["RAY_TMPDIR"] = before
+
+
 class MultiNodeCluster:
     """``with MultiNodeCluster() as c:`` connects the driver; ``c.kill(c.nodes[0])`` crashes one."""
 
@@ -82,7 +98,17 @@ class MultiNodeCluster:
     def _start(self) -> None:
         self.cluster, self.head, self.nodes, self._count = None, None, [], 0
         head_tmp = self._tmpdir("head")
-        self.cluster = Cluster(
+        with _ray_tmpdir(self.root):  # Ray writes the head's address under RAY_TMPDIR
+            self.cluster = self._cluster(head_tmp)
+        handle = self.cluster.head_node
+        self.head = Node("head", handle, handle.node_id, head_tmp)
+        for _ in range(self.n_nodes):
+            self.add_node()
+        ray.init(address=self.cluster.address, logging_level="WARNING")
+        self._record_pids()
+
+    def _cluster(self, head_tmp: str) -> Cluster:
+        return Cluster(
             initialize_head=True,
             shutdown_at_exit=False,
             head_node_args={
@@ -94,12 +120,6 @@ class MultiNodeCluster:
                 "_system_config": self.system_config,
             },
         )
-        handle = self.cluster.head_node
-        self.head = Node("head", handle, handle.node_id, head_tmp)
-        for _ in range(self.n_nodes):
-            self.add_node()
-        ray.init(address=self.cluster.address, logging_level="WARNING")
-        self._record_pids()
 
     def _tmpdir(self, name: str) -> str:
         path = os.path.join(self.root, name)
