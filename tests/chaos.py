@@ -156,6 +156,14 @@ def less_duplicates(got: Counter, expected: Mapping[str, int]) -> Counter:
     return +out
 
 
+def spare_copy(r: Run, done: list[Run], dups: Counter) -> bool:
+    """Was ``r`` (a run killed with its node) a copy speculation made of a key another
+    run made? Then it needs no rerun: the driver cancels or drops it."""
+    return dups[r.label] > 0 and any(
+        x.label == r.label and x.end is not None and x is not r for x in done
+    )
+
+
 @dataclass
 class Death:
     node: str

@@ -718,8 +718,7 @@ class State:
                 self.tasks[m].group = None
         self.groups.clear()
         self.copies.clear()
-        self.speculator.in_flight.clear()
-        self.speculator.ready_long.clear()
+        self.speculator.stopped()
         self.used = 0.0
         self.ready.clear()
         self.ready_sources.clear()
