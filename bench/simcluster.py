@@ -30,6 +30,7 @@ import json
 import os
 import pickle
 import pstats
+import re
 import subprocess
 import sys
 import tempfile
@@ -44,6 +45,37 @@ sys.path.insert(0, os.path.abspath(TESTS))
 from simcluster import Cluster, Sim, seed_graph  # noqa: E402
 
 HERE = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+POLICIES = ("fusion", "placement", "speculation")
+
+
+def policies(spelled: str) -> dict:
+    """``Sim``'s keywords for ``on``, ``off``, or either with policies taken away or
+    added: ``on-speculation`` (all on but speculation), ``on-fusion-placement``,
+    ``on+checkpoints`` (checkpoints, at the default ``min-cost``, on top: the founding
+    user's set-up, with a checkpoint store)."""
+    from raydag.core.checkpoints import Checkpoints
+
+    base, *mods = re.split(r"(?=[+-])", spelled)
+    if base not in ("on", "off"):
+        raise ValueError(f"policies {spelled!r}: start with 'on' or 'off'")
+    on = set(POLICIES) if base == "on" else set()
+    checkpoints = None
+    for mod in mods:
+        sign, name = mod[0], mod[1:]
+        if name == "checkpoints":
+            checkpoints = Checkpoints(enabled=True, store="sim://") if sign == "+" else None
+        elif name in POLICIES:
+            (on.add if sign == "+" else on.discard)(name)
+        else:
+            raise ValueError(f"policies {spelled!r}: no policy {name!r}")
+    if base == "off" and on:
+        raise ValueError(f"policies {spelled!r}: say 'on' less the others, not 'off' plus")
+    kw: dict = {"policies": bool(on), "checkpoints": checkpoints}
+    if on:
+        kw["without"] = sorted(set(POLICIES) - on)
+    return kw
 
 
 def child(args: argparse.Namespace) -> None:
@@ -67,7 +99,7 @@ def child(args: argparse.Namespace) -> None:
         pass
     rss0 = _common.proc_status("VmRSS")
     prof = cProfile.Profile() if args.profile else None
-    sim = Sim(graph, cluster, policies=args.policies == "on", profile=prof)
+    sim = Sim(graph, cluster, **policies(args.policies), profile=prof)
     result = asdict(sim.run())
     result["rss_peak"] = _common.proc_status("VmHWM") - rss0
     if prof is not None:
@@ -100,10 +132,21 @@ def main() -> None:
         "--evictions", default="0,0.02", help="per node-hour (Poisson), comma-separated"
     )
     ap.add_argument("--replace-after", type=float, default=600.0, help="seconds")
-    ap.add_argument("--policies", default="on,off")
+    ap.add_argument(
+        "--policies",
+        default="on,off",
+        help="comma-separated: on, off, on less some (on-speculation, on-fusion-placement), "
+        "either with checkpoints (on+checkpoints)",
+    )
     ap.add_argument("--profile", action="store_true", help="cProfile State at the largest size")
     ap.add_argument("--heavy", type=int, default=500, help="tasks of about an hour")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the graph's runtimes")
+    ap.add_argument(
+        "--draws",
+        default="0",
+        help="seeds of the evictions' schedule, comma-separated: one run per draw "
+        "(which tasks an eviction hits moves the makespan by an hour)",
+    )
     ap.add_argument(
         "--a", help="also run every compute with this source tree's raydag (A/B, alternately)"
     )
@@ -114,6 +157,13 @@ def main() -> None:
     if args.child:
         child(args)
         return
+    # One hash seed for the bench and its children: dask.order breaks ties in set order,
+    # and so may a decision of raydag's; with the process's own random seed, equal runs
+    # differed by 1-3 h of makespan at 60k tasks (which heavy task an eviction then hits).
+    if os.environ.get("PYTHONHASHSEED") is None:
+        os.execve(
+            sys.executable, [sys.executable, *sys.argv], {**os.environ, "PYTHONHASHSEED": "0"}
+        )
     from dask.utils import parse_bytes
 
     rates = [float(x) for x in args.evictions.split(",")]
@@ -128,25 +178,26 @@ def main() -> None:
     )
     trees = [("B", HERE)] + ([("A", os.path.abspath(args.a))] if args.a else [])
     sizes = [int(s) for s in args.sizes.split(",")]
+    draws = [int(d) for d in args.draws.split(",")]
     results = []
     tmp = tempfile.mkdtemp(prefix="simcluster-")
     for size in sizes:
         t0 = time.perf_counter()
         graph = seed_graph(size, heavy=args.heavy, seed=args.seed)
         intake = time.perf_counter() - t0
-        for rate in rates:
+        for rate, draw in [(r, d) for r in rates for d in draws]:
             cluster = Cluster(
                 nodes=args.nodes,
                 cpus=args.cpus,
                 store=parse_bytes(args.store),
                 evictions_per_node_hour=rate,
                 replace_after=args.replace_after,
-                seed=args.seed,
+                seed=draw,
             )
-            path = os.path.join(tmp, f"{size}-{rate}.pickle")
+            path = os.path.join(tmp, f"{size}-{rate}-{draw}.pickle")
             with open(path, "wb") as f:
                 pickle.dump((graph, cluster), f)
-            if rate == rates[0]:
+            if rate == rates[0] and draw == draws[0]:
                 traced = spawn(path, HERE, "--traced")["traced"]
                 print(
                     f"\n{len(graph):,} tasks: graph and dask.order {intake:.1f} s; State + "
@@ -157,11 +208,18 @@ def main() -> None:
                     profile = args.profile and size == max(sizes) and pol == "on" and name == "B"
                     extra = ["--policies", pol] + (["--profile"] if profile else [])
                     r = spawn(path, tree, *extra)
-                    r.update(size=len(graph), policies=pol, rate=rate, tree=name, state=traced[0])
+                    r.update(
+                        size=len(graph),
+                        policies=pol,
+                        rate=rate,
+                        draw=draw,
+                        tree=name,
+                        state=traced[0],
+                    )
                     results.append(r)
                     bound = max(r["critical_path"], r["work_bound"])
                     print(
-                        f"  {name} evictions {rate} policies {pol}: makespan "
+                        f"  {name} evictions {rate} draw {draw} policies {pol}: makespan "
                         f"{r['makespan'] / 3600:.2f} h ({r['makespan'] / bound:.3f} x bound), "
                         f"driver CPU {r['driver_cpu']:.1f} s, {r['events']:,} events, "
                         f"sim wall {r['sim_wall']:.0f} s",
@@ -178,6 +236,7 @@ def main() -> None:
             [
                 f"{r['size']:,}",
                 r["rate"],
+                r["draw"],
                 r["policies"],
                 r["tree"],
                 f"{r['events']:,}",
@@ -196,6 +255,8 @@ def main() -> None:
                 r["reexecuted"],
                 r["killed"],
                 r["duplicates"],
+                r.get("checkpoints", 0),
+                r.get("restored", 0),
                 r["wasted_cpu"] / 3600,
                 100 * r["peak_store"],
                 r["sim_wall"],
@@ -208,6 +269,7 @@ def main() -> None:
             [
                 "tasks",
                 "evict/h",
+                "draw",
                 "pol",
                 "tree",
                 "events",
@@ -226,6 +288,8 @@ def main() -> None:
                 "re-exec",
                 "killed",
                 "dups",
+                "ckpts",
+                "read back",
                 "waste CPU-h",
                 "store %",
                 "wall s",
@@ -243,8 +307,22 @@ def main() -> None:
         for k in kinds:
             n, cpu = r["per_event"].get(k, (0, 0.0))
             cells.append(f"{n:,} x {1e6 * cpu / n:.0f}" if n else "-")
-        erows.append([f"{r['size']:,}", r["rate"], r["policies"], r["tree"], *cells])
-    print(_common.table(["tasks", "evict/h", "pol", "tree", *kinds], erows))
+        erows.append([f"{r['size']:,}", r["rate"], r["draw"], r["policies"], r["tree"], *cells])
+    print(_common.table(["tasks", "evict/h", "draw", "pol", "tree", *kinds], erows))
+    makespans: dict[tuple, dict] = {}
+    for r in results:
+        at = (r["size"], r["rate"], r["tree"])
+        makespans.setdefault(at, {}).setdefault(r["draw"], {})[r["policies"]] = r["makespan"]
+    pairs = [
+        [f"{size:,}", rate, tree, draw, by["on"] / by["off"]]
+        for (size, rate, tree), got in makespans.items()
+        for draw, by in got.items()
+        if "on" in by and "off" in by
+    ]
+    if pairs:
+        print()
+        print("makespan, policies on / off, draw by draw (the same evictions' schedule):")
+        print(_common.table(["tasks", "evict/h", "tree", "draw", "on / off"], pairs))
     if args.json:
         _common.write_json(args.json, {"header": header, "results": results})
 

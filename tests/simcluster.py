@@ -29,11 +29,15 @@ import math
 import random
 import time
 from collections import Counter, defaultdict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
+from raydag.core.checkpoints import Checkpoints
 from raydag.core.events import (
     Cancel,
+    Checkpoint,
+    CheckpointFailed,
+    CheckpointWritten,
     CpusChanged,
     Fail,
     NodeDied,
@@ -177,6 +181,9 @@ class Cluster:
     evictions_per_node_hour: float = 0.0
     replace_after: float = 600.0  # an evicted node's replacement joins this much later
     seed: int = 0
+    # the checkpoint store's bandwidth for one value written or read (a shared
+    # filesystem or an object store seen from one node), bytes per second
+    checkpoint_bandwidth: float = 100 * MB
 
     def eviction_schedule(self, horizon: float) -> list[tuple[float, int]]:
         """(time, slot): slot ``slot``'s node evicted at ``time``; drawn in advance so
@@ -225,6 +232,7 @@ class Running:
     start: float
     end: float
     cpus: float
+    restore: tuple = ()  # keys read back from their checkpoints, not computed
 
 
 @dataclass
@@ -251,6 +259,8 @@ class Result:
     wasted_cpu: float  # CPU-seconds of copies killed or cancelled
     peak_store: float  # the fullest store's peak fill (fraction of capacity)
     spilled: int  # the most bytes any store held beyond its capacity
+    checkpoints: int = 0  # checkpoints written whole
+    restored: int = 0  # keys read back from their checkpoints
     per_event: dict = field(default_factory=dict)  # type -> (count, cpu seconds)
 
     @property
@@ -267,6 +277,8 @@ class Sim:
         cluster: Cluster,
         *,
         policies: bool = True,
+        without: Iterable[str] = (),
+        checkpoints: Checkpoints | None = None,
         evictions: list[tuple[float, int]] | None = None,
         horizon: float = 48 * 3600.0,
         poll: float = 0.25,
@@ -313,12 +325,21 @@ class Sim:
         self.waves = 0
         self.evicted = 0
         self.spilled = 0
+        self.written = self.restored = 0
         for _ in range(cluster.nodes):
             self.slot_node.append(self._join())
         t0 = time.process_time()
         kw = {}
-        if policies:
-            kw = dict(fusion=Fusion(), placement=Placement(), speculation=Speculation())
+        if policies:  # ``without``: the policies left off, to tell what each does
+            off = set(without)
+            unknown = off - {"fusion", "placement", "speculation"}
+            if unknown:
+                raise ValueError(f"no such policy: {sorted(unknown)}")
+            kw = dict(
+                fusion=Fusion(enabled="fusion" not in off),
+                placement=Placement(enabled="placement" not in off),
+                speculation=Speculation(enabled="speculation" not in off),
+            )
         else:
             kw = dict(
                 fusion=Fusion(enabled=False),
@@ -332,6 +353,7 @@ class Sim:
             capacity=cluster.nodes * cluster.cpus,
             nodes={self.node_ids[i]: cluster.cpus for i in self.alive},
             recovery=Recovery(ray_first=False),
+            checkpoints=checkpoints,
             **kw,
         )
         self.start_cpu = time.process_time() - t0
@@ -431,6 +453,13 @@ class Sim:
                     self._free_value(k)
             elif isinstance(ins, Fail):
                 self.failure = f"{ins.key!r}: {ins.error}"
+            elif isinstance(ins, Checkpoint):  # written beside the readers: no CPU taken
+                v = self.values.get(ins.key)
+                if v is None:  # lost before the write began
+                    self.inbox.append(CheckpointFailed(ins.key, "value gone", lost=True))
+                else:
+                    t = self.t + v[1] / self.c.checkpoint_bandwidth
+                    self._push(t, "written", (ins.key, v[0], v[1]))
         if self.waiting:
             self._dispatch()
 
@@ -473,10 +502,18 @@ class Sim:
             self._run(sub, node, cpus)
         self.waiting = left
 
+    def _seconds(self, key: Key, restore: tuple) -> float:
+        if key in restore:
+            return self.g.sizes[key] / self.c.checkpoint_bandwidth
+        return self.g.durations[key]
+
     def _run(self, sub: Submit, node: int, cpus: float) -> None:
         self._take(node, cpus)
-        end = self.t + sum(self.g.durations[k] for k in sub.keys)
-        self.running[sub.copy] = Running(sub.copy, sub.keys, sub.kept, node, self.t, end, cpus)
+        end = self.t + sum(self._seconds(k, sub.restore) for k in sub.keys)
+        self.running[sub.copy] = Running(
+            sub.copy, sub.keys, sub.kept, node, self.t, end, cpus, sub.restore
+        )
+        self.restored += len(sub.restore)
         self._push(end, "finish", sub.copy)
         if sub.notify:
             self.inbox.append(TaskStarted(sub.copy, self.node_ids[node], WALL0 + self.t))
@@ -491,7 +528,8 @@ class Sim:
             return
         self._give(r.node, r.cpus)
         for k in r.keys:
-            self.runs[k] += 1
+            if k not in r.restore:
+                self.runs[k] += 1
         sizes = tuple(self.g.sizes[k] for k in r.kept)
         for k, nbytes in zip(r.kept, sizes, strict=True):
             self._free_value(k)  # a duplicate's value replaces the first's
@@ -501,7 +539,7 @@ class Sim:
         if used > self.peak_used[r.node]:
             self.peak_used[r.node] = used
             self.spilled = max(self.spilled, used - self.c.store)
-        durations = {k: self.g.durations[k] for k in r.keys}
+        durations = {k: self._seconds(k, r.restore) for k in r.keys}
         self.step(
             TaskFinished(
                 copy,
@@ -587,6 +625,13 @@ class Sim:
                 self._push(t + self.poll, "tick", None)
             elif kind == "evict":
                 self._evict(payload)
+            elif kind == "written":  # the write read the value from its node's store
+                key, node, nbytes = payload
+                if node in self.alive:
+                    self.written += 1
+                    self.step(CheckpointWritten(key, nbytes))
+                else:
+                    self.step(CheckpointFailed(key, "its node died", lost=True))
             elif kind == "join":
                 self.slot_node[payload] = node = self._join()
                 self._index[self.node_ids[node]] = node
@@ -620,5 +665,7 @@ class Sim:
             wasted_cpu=self.wasted,
             peak_store=max(self.peak_used) / self.c.store,
             spilled=max(0, self.spilled),
+            checkpoints=self.written,
+            restored=self.restored,
             per_event={k: tuple(v) for k, v in self.per_event.items()},
         )

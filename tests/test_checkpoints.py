@@ -17,6 +17,7 @@ from raydag.core.events import (
     CheckpointFailed,
     CheckpointIgnored,
     CheckpointsOff,
+    CheckpointsSuperseded,
     CheckpointWritten,
     DropCheckpoints,
     Recover,
@@ -158,6 +159,35 @@ def test_checkpoints_off_by_default_and_capped_by_size():
         i.key for o in outs.values() if isinstance(o, list) for i in instructions(o, Checkpoint)
     ]
     assert written == ["a"]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_checkpoint_whose_readers_are_all_written_goes_and_frees_its_room(keep):
+    """min-cost 0, room for two 8-byte values. Once ``b`` is written, ``a``'s checkpoint
+    protects nothing (every lineage walk stops at ``b``): it goes, and ``c`` fits.
+    Checkpoints to be kept stay (a later compute may share ``a``): ``c`` does not fit."""
+    capped = dataclasses.replace(ON, max_size=16, min_cost=0.0, keep=keep)
+    s = make(CHAIN, ["d"], checkpoints=capped)
+    (sub,) = submits(s.start())
+    written = []
+    for k in "abc":
+        out = finish(s, sub, 1.0)
+        (sub,) = submits(out)
+        if instructions(out, Checkpoint):
+            out = s.handle(CheckpointWritten(k, 8))
+            written.append(k)
+        s.validate_state()
+        gone = [k for i in instructions(out, CheckpointsSuperseded) for k in i.keys]
+        if k == "b":
+            assert gone == ([] if keep else ["a"])
+    assert written == (["a", "b"] if keep else ["a", "b", "c"])
+    assert s.tasks["a"].durable == (WRITTEN if keep else None)
+    # a loss of c reads b back, not a (a's checkpoint is gone: the walk stops at b)
+    if not keep:
+        out = s.handle(ResultsLost(("c",), "gone"))
+        (wave,) = instructions(out, Recover)
+        assert set(wave.recompute) == {"c"}  # c itself was written: read back
+        s.validate_state()
 
 
 def test_a_lost_value_with_a_checkpoint_is_read_back_its_lineage_not_walked():
@@ -320,6 +350,19 @@ def test_store_round_trips_numpy_pandas_arrow_whole_or_not_at_all(tmp_path):
         store.read("pd")
     assert store.remove(["np", "pd", "pa", "plain"]) == 7
     assert store.listing() == {}
+
+
+def test_store_discards_superseded_checkpoints_whole_and_keeps_the_rest(tmp_path):
+    from raydag.runtime.checkpoints import CheckpointError, CheckpointStore
+
+    store = CheckpointStore(str(tmp_path / "store"))
+    store.open()
+    for name in ("a", "b", "c"):
+        store.write(name, [name] * 10, {"key": name})
+    assert store.discard(["a", "b", "gone"]) == 4  # manifest and data of each; none of gone
+    assert set(store.listing()) == {"c"} and store.read("c") == ["c"] * 10
+    with pytest.raises(CheckpointError):
+        store.read("a")
 
 
 def test_names_change_with_the_task_its_inputs_and_raydag_version(monkeypatch):

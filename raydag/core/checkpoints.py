@@ -38,6 +38,11 @@ outlives both (a directory, a shared filesystem, an object store: any fsspec URL
   down to the first checkpointed keys; in a recovery wave, the same (``Recoverer``).
   A checkpoint that cannot be read back (corrupt, gone) is forgotten
   (``CheckpointIgnored``), the key's lineage restored and recomputed in one wave.
+- **superseded**: once every reader of a checkpointed key is checkpointed too, no
+  lineage walk reaches it: ``CheckpointsSuperseded`` removes it mid-compute (unless
+  ``keep``) and ``max_size`` counts it no more, so the cap bounds the store's frontier,
+  not every byte ever written (at 60k tasks of the founding user's shape the 50-GiB
+  default was spent within minutes on early, cheap values, and nothing written after).
 - **hygiene**: once the compute is done, ``DropCheckpoints`` (unless ``keep``).
 
 Worked example: ``a -> b -> c`` (output ``c``), ``min_cost=60``; ``a`` runs 50 s,
@@ -68,6 +73,7 @@ from raydag.core.events import (
     CheckpointFailed,
     CheckpointIgnored,
     CheckpointsOff,
+    CheckpointsSuperseded,
     CheckpointWritten,
     DropCheckpoints,
 )
@@ -147,6 +153,7 @@ class Checkpointer:
         self.enabled = settings.enabled
         self.off = False  # a write failed: no more in this compute
         self.written_bytes = 0  # written, and being written (their sizes as measured)
+        self._bytes: dict[Key, int] = {}  # of each: its size when the write began
         self.dropped = False
         # a cut key's own dependencies and source flag, to restore if its read fails
         self.lineage: dict[Key, tuple[frozenset, bool]] = {}
@@ -231,7 +238,12 @@ class Checkpointer:
         st = self.settings
         if self.off or ts.given or ts.restore or self.marks.get(ts.key) is False:
             return False
-        return st.max_size is None or self.written_bytes + (ts.nbytes or 0) <= st.max_size
+        if st.max_size is None:
+            return True
+        needs = self.written_bytes + (ts.nbytes or 0)
+        # the room its write frees (the checkpoints it supersedes) counts: else a full
+        # store of early values would keep every later, dearer one out for good
+        return needs <= st.max_size or needs - self._frees(ts) <= st.max_size
 
     def _worth(self, ts: TaskState) -> bool:
         """Worth writing by itself: forced, or its loss would redo ``min_cost``."""
@@ -245,7 +257,8 @@ class Checkpointer:
     def _write(self, ts: TaskState, out: list[Instruction]) -> None:
         self.forget(ts)
         ts.durable = WRITING
-        self.written_bytes += ts.nbytes or 0
+        self._bytes[ts.key] = ts.nbytes or 0
+        self.written_bytes += self._bytes[ts.key]
         out.append(Checkpoint(ts.key))
 
     # ---- the exposure: what a driver's death would redo ----------------------------------
@@ -291,10 +304,41 @@ class Checkpointer:
             else:
                 self.forget(ts)  # over max_size: no write would take it off the exposure
 
-    def written(self, ev: CheckpointWritten) -> None:
+    def written(self, ev: CheckpointWritten, out: list[Instruction]) -> None:
         ts = self.s.tasks.get(ev.key)
         if ts is not None and ts.durable == WRITING:
             ts.durable = WRITTEN
+            self._supersede(ts, out)
+
+    def _superseded(self, ts: TaskState) -> list[Key]:
+        """The inputs of ``ts`` whose checkpoints protect nothing once ``ts`` is
+        written: every other reader of each is checkpointed already."""
+        if self.settings.keep:
+            return []
+        tasks = self.s.tasks
+        return [
+            d
+            for d in ts.dependencies
+            if tasks[d].durable in READABLE
+            and not tasks[d].restore
+            and not tasks[d].given
+            and all(c == ts.key or tasks[c].durable in READABLE for c in tasks[d].dependents)
+        ]
+
+    def _frees(self, ts: TaskState) -> int:
+        return sum(self._bytes.get(d, 0) for d in self._superseded(ts))
+
+    def _supersede(self, ts: TaskState, out: list[Instruction]) -> None:
+        """``ts`` is written: an input's checkpoint whose readers are now all written
+        protects nothing (every lineage walk, a wave's or a resume's, stops above it), so
+        it goes, and ``max_size`` counts only checkpoints that still protect something.
+        Not when they are to be kept: a later compute sharing part of the graph reads them."""
+        gone = self._superseded(ts)
+        for d in gone:
+            self.s.tasks[d].durable = None
+            self.written_bytes -= self._bytes.pop(d, 0)
+        if gone:
+            out.append(CheckpointsSuperseded(tuple(gone)))
 
     def write_failed(self, ev: CheckpointFailed, out: list[Instruction]) -> None:
         """A write that the store refused turns checkpoints off; one lost with its node
@@ -303,7 +347,7 @@ class Checkpointer:
         ts = self.s.tasks.get(ev.key)
         if ts is not None and ts.durable == WRITING:
             ts.durable = None
-            self.written_bytes -= ts.nbytes or 0
+            self.written_bytes -= self._bytes.pop(ts.key, 0)
         if ev.lost:
             return
         if not self.off:
@@ -330,6 +374,7 @@ class Checkpointer:
         reason = f"{type(ev.error).__name__}: {ev.error}"
         reset = self.s.reset_group(group, out)
         ts.durable = None
+        self.written_bytes -= self._bytes.pop(ev.key, 0)  # unreadable: it holds no room
         self._uncut(ts)
         out.append(CheckpointIgnored(ev.key, reason))
         self.s.recoverer.rerun([ev.key], reset, f"checkpoint of {ev.key!r} unreadable", out)
@@ -348,6 +393,9 @@ class Checkpointer:
             out.append(DropCheckpoints(keys))
 
     def validate(self) -> None:
+        assert self.written_bytes == sum(self._bytes.values()), self._bytes
+        for k in self._bytes:  # what max_size counts: written, or being written
+            assert self.s.tasks[k].durable is not None, k
         total = 0.0
         for k, cost in self.exposed.items():
             ts = self.s.tasks[k]

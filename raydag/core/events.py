@@ -152,6 +152,14 @@ class DropCheckpoints:
 
 
 @dataclass(frozen=True, slots=True)
+class CheckpointsSuperseded:
+    """These keys' checkpoints protect nothing any more (every reader of each is
+    checkpointed: no lineage walk reaches them): remove them now, mid-compute."""
+
+    keys: tuple
+
+
+@dataclass(frozen=True, slots=True)
 class CheckpointsOff:
     """No more checkpoints are written in this compute (the store failed a write)."""
 
@@ -176,6 +184,7 @@ Instruction = (
     | Won
     | Checkpoint
     | DropCheckpoints
+    | CheckpointsSuperseded
     | CheckpointsOff
     | CheckpointIgnored
 )

@@ -562,7 +562,7 @@ class State:
             heapq.heapify(heap)
 
     def _on_checkpoint_written(self, ev: CheckpointWritten) -> None:
-        self.checkpointer.written(ev)
+        self.checkpointer.written(ev, self.out)
 
     def _on_checkpoint_failed(self, ev: CheckpointFailed) -> None:
         self.checkpointer.write_failed(ev, self.out)

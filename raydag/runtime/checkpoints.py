@@ -220,6 +220,22 @@ class CheckpointStore:
 
     # ---- the whole store ------------------------------------------------------------
 
+    def discard(self, names: Iterable[str]) -> int:
+        """Remove these whole checkpoints (manifest first), without listing the store;
+        the files removed."""
+        return sum(self._rm(name, (MANIFEST, DATA)) for name in names)
+
+    def _rm(self, name: str, suffixes: Iterable[str]) -> int:
+        """Remove ``name``'s files with these suffixes, in this order; how many were there."""
+        removed = 0
+        for suffix in suffixes:
+            try:
+                self.fs.rm(self.path(name, suffix))
+                removed += 1
+            except FileNotFoundError:
+                pass
+        return removed
+
     def listing(self) -> dict[str, dict]:
         """Every file of the store by checkpoint name: ``{suffix: size}``."""
         try:
@@ -252,16 +268,8 @@ class CheckpointStore:
         """Remove these checkpoints (manifest first: never data read without it), and
         their temporary files; the files removed."""
         files = self.listing()
-        removed = 0
-        for name in names:
-            suffixes = sorted(files.get(name, ()), key=lambda s: not s.startswith(MANIFEST))
-            for suffix in suffixes:
-                try:
-                    self.fs.rm(self.path(name, suffix))
-                    removed += 1
-                except FileNotFoundError:
-                    pass
-        return removed
+        first = lambda s: not s.startswith(MANIFEST)  # noqa: E731
+        return sum(self._rm(name, sorted(files.get(name, ()), key=first)) for name in names)
 
 
 def _aligned(nbytes: int) -> memoryview:
@@ -470,6 +478,14 @@ class Checkpointing:
             ray.wait(refs, num_returns=len(refs), timeout=self.WAIT)
             self.writes.clear()
             self._by.clear()
+
+    def discard(self, keys: Iterable[Key]) -> None:
+        """Remove written checkpoints that protect nothing any more, mid-compute (their
+        writes have ended: they were reported written)."""
+        try:
+            self.store.discard([self.names[k] for k in keys])
+        except Exception as e:  # a store that cannot remove: the end's drop tries again
+            logger.warning("raydag: cannot remove checkpoints from %s: %s", self.store.url, e)
 
     def drop(self, keys: Iterable[Key]) -> None:
         """Remove a done compute's checkpoints. Its writes still in flight are cancelled,

@@ -32,6 +32,7 @@ from raydag.core.events import (
     Checkpoint,
     CheckpointIgnored,
     CheckpointsOff,
+    CheckpointsSuperseded,
     CpusChanged,
     DropCheckpoints,
     Event,
@@ -462,6 +463,8 @@ class Runner:
                 self._watch(self.checkpoints.write(ins.key, self.values[ins.key], node))  # type: ignore[union-attr]
             elif cls is DropCheckpoints:
                 self.checkpoints.drop(ins.keys)  # type: ignore[union-attr]
+            elif cls is CheckpointsSuperseded:
+                self.checkpoints.discard(ins.keys)  # type: ignore[union-attr]
             elif cls is CheckpointsOff:
                 logger.warning("raydag: checkpoints off: %s", ins.reason)
             elif cls is CheckpointIgnored:
