@@ -434,3 +434,52 @@ def test_on_is_never_slower_than_off(nodes, slowed, factor, ranges, n, seed):
         took[on], state = simulate(state, Cluster(nodes, slow, factor), length)
         assert state.done
     assert took[True] <= 1.05 * took[False] + 0.25, took
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    runs=st.lists(
+        st.tuples(
+            st.sampled_from(["f", "g"]),
+            st.floats(0.05, 5.0),
+            st.sampled_from(["n0", "n1", "n2", "n3", "n4"]),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=60,
+    ),
+    nodes=st.sampled_from([5, 20]),
+)
+def test_weighed_paces_cached_as_weighed_afresh(runs, nodes):
+    """The caches of the weighed paces (each category's term of a node, its sum, the
+    prior's sum past PRIOR_ALL nodes) give what weighing every node afresh gives, after
+    runs learned one by one (finished or a loser's), with posteriors asked in between."""
+    deps = {f"{c}-{i}": set() for c in "fg" for i in range(2)}
+    s = make(deps, list(deps), nodes)
+    sp = s.speculator
+    for i, (cat, x, node, done) in enumerate(runs):
+        if done:
+            sp.learn(s.category(cat), x, node)
+        else:
+            sp._run(s.category(cat), node, x, False)
+        if i % 3 == 0:
+            sp.posterior(node)
+    sp.validate()  # the caches' own invariants
+    ids = [f"n{i}" for i in range(5)]
+    cached = {n: sp.posterior(n) for n in ids}
+    if nodes > sp.PRIOR_ALL:  # the prior's sum: the nodes weighed so far, as weighed last
+        for n in ids:
+            sp._likelihood(n)
+        sp._prior_now = None
+        sp._post_now.clear()
+        cached = {n: sp.posterior(n) for n in ids}
+    for m in (sp._kept_ll, sp._terms, sp._kernels, sp._logs, sp._like_now, sp._post_now):
+        m.clear()
+    sp._prior_now = None
+    afresh = {n: sp.posterior(n) for n in ids}
+    for n in ids:
+        assert (cached[n] is None) == (afresh[n] is None), n
+        if cached[n] is not None:
+            assert [p for p, _ in cached[n]] == [p for p, _ in afresh[n]], n
+            for (_, a), (_, b) in zip(cached[n], afresh[n], strict=True):
+                assert a == pytest.approx(b, rel=1e-6, abs=1e-9), n
