@@ -294,6 +294,8 @@ LENGTHS = {  # (low, high) seconds, half each for "mixed"
     ("short", "single"): ((0.5, 1.0), (0.5, 1.0)),
     ("long", "mixed"): ((1.0, 2.0), (4.0, 6.0)),
     ("long", "single"): ((3.0, 5.0), (3.0, 5.0)),
+    ("short", "three"): ((0.1, 0.3), (0.6, 0.9), (1.5, 2.0)),  # a third each
+    ("long", "three"): ((1.0, 1.5), (2.5, 3.5), (5.0, 6.0)),
 }
 # (nodes, factor, lengths, mix): factor inf is a hung node
 FAMILY = [
@@ -308,33 +310,49 @@ FAMILY = [
     (6, math.inf, "short", "mixed"),
     (6, 2.0, "long", "single"),
 ]
+# ``--simulate`` only, not fitted to: (nodes, factor, lengths, mix, slowed nodes); factor
+# 1 is no slow node (speculation must cost nothing there)
+EXTRA = [
+    (4, 3.0, "short", "mixed", 2),
+    (3, 5.0, "short", "three", 1),
+    (3, 2.0, "long", "three", 1),
+    (12, 5.0, "short", "mixed", 1),
+    (12, 3.0, "short", "three", 3),
+    (3, 1.0, "short", "mixed", 1),
+    (6, 1.0, "short", "three", 1),
+]
 
 
-def scenario_name(nodes: int, factor: float, lengths: str, mix: str) -> str:
-    """``3n 5x short mixed``, ``6n hung short mixed`` (what ``--only`` matches)."""
-    return f"{nodes}n {'hung' if factor == math.inf else f'{factor:g}x'} {lengths} {mix}"
+def scenario_name(nodes: int, factor: float, lengths: str, mix: str, slowed: int = 1) -> str:
+    """``3n 5x short mixed``, ``6n hung short mixed``, ``4n 2 at 3x short mixed``,
+    ``3n none short mixed`` (what ``--only`` matches)."""
+    pace = "hung" if factor == math.inf else f"{factor:g}x"
+    pace = "none" if factor == 1 else pace if slowed == 1 else f"{slowed} at {pace}"
+    return f"{nodes}n {pace} {lengths} {mix}"
 
 
 def family_spec(nodes: int, factor: float, lengths: str, mix: str, seed: int = 0) -> dict:
     """``work-i`` tasks about 2.5 s of work per node (short) or 9 s (long), and ``total``."""
     rng = random.Random(seed)
-    (a, b), (c, d) = LENGTHS[(lengths, mix)]
-    mean = (a + b + c + d) / 4
+    ranges = LENGTHS[(lengths, mix)]
+    mean = sum(a + b for a, b in ranges) / 2 / len(ranges)
     n = max(nodes, round(nodes * (2.5 if lengths == "short" else 9.0) / mean))
     spec: dict[str, tuple] = {}
     for i in range(n):
-        lo, hi = (a, b) if i % 2 == 0 else (c, d)
+        lo, hi = ranges[i % len(ranges)]
         spec[f"work-{i}"] = (round(rng.uniform(lo, hi), 3), factor, ())
     spec["total"] = (0.1, factor, tuple(spec))
     return spec
 
 
-def family_bound(spec: dict, nodes: int, factor: float) -> Bound:
+def family_bound(spec: dict, nodes: int, factor: float, slowed: int = 1) -> Bound:
     """The clairvoyant optimum (tests/schedule_bound.py): the best assignment of the
-    tasks to nodes of known speeds (1, ``1/factor`` for the slowed node, 0 for the hung
+    tasks to nodes of known speeds (1, ``1/factor`` for the slowed nodes, 0 for a hung
     one), plus the final task; the fractional bound where the search is too big."""
     lengths = [s for k, (s, _, _) in spec.items() if k != "total"]
-    return bound(lengths, speeds_of(nodes, factor), spec["total"][0])
+    speeds = speeds_of(nodes, factor)
+    speeds[1:slowed] = speeds[:1] * (slowed - 1)
+    return bound(lengths, speeds, spec["total"][0])
 
 
 def run_ray_dask_get(spec: dict, log: str, timeout: float) -> float | None:
@@ -462,23 +480,29 @@ def simulated(args: argparse.Namespace) -> None:
 
     print_header("speculation: the #17 family, simulated (state machine, no Ray)")
     rows, hows = [], []
-    for nodes, factor, lengths, mix in FAMILY:
+    for nodes, factor, lengths, mix, slowed in [(*sc, 1) for sc in FAMILY] + EXTRA:
         spec = family_spec(nodes, factor, lengths, mix)
-        b = family_bound(spec, nodes, factor)
+        b = family_bound(spec, nodes, factor, slowed)
         bound = b.seconds
         deps = {k: set(d) for k, (_, _, d) in spec.items()}
         length = {k: sec for k, (sec, _, _) in spec.items()}
         took = {}
+        slow = tuple(f"n{i}" for i in range(slowed))
         for on in (False, True):
             state = make(deps, ["total"], nodes, Speculation(enabled=on))
-            t, state = simulate(state, Cluster(nodes, "n0", factor), length, horizon=HANG)
+            t, state = simulate(state, Cluster(nodes, slow, factor), length, horizon=HANG)
             took[on] = t if state.done else None
         off = ">" + f"{HANG / bound:.2f}" if took[False] is None else round(took[False] / bound, 2)
-        name = scenario_name(nodes, factor, lengths, mix)
+        name = scenario_name(nodes, factor, lengths, mix, slowed)
         rows.append([name, len(spec) - 1, round(bound, 2), round(b.fractional, 2), off])
         rows[-1].append(round(took[True] / bound, 2))
+        ratio = None if took[False] is None else round(took[True] / took[False], 2)
+        rows[-1].append(ratio)
         hows.append(f"  {name}: {b.how}")
-    print(table(["scenario", "tasks", "bound s", "frac s", "off x", "on x"], rows))
+        if (nodes, factor, lengths, mix) not in FAMILY:
+            rows[-1][0] += " *"
+    print(table(["scenario", "tasks", "bound s", "frac s", "off x", "on x", "on/off"], rows))
+    print("\n*: not in the family on Ray (--simulate only)")
     print("\nlower bounds (the best assignment to nodes of known speeds + final task):")
     print("\n".join(hows))
 

@@ -29,11 +29,12 @@ DEFAULTS = Speculation(enabled=True)  # raydag.yaml's, as nobody tuned them
 
 
 class Cluster:
-    """One-CPU nodes ``n0..``; ``slow`` runs ``factor`` times slower."""
+    """One-CPU nodes ``n0..``; ``slow`` (a node, or several) runs ``factor`` times slower."""
 
-    def __init__(self, nodes: int, slow: str | None, factor: float) -> None:
+    def __init__(self, nodes: int, slow: str | tuple[str, ...] | None, factor: float) -> None:
         self.ids = [f"n{i}" for i in range(nodes)]
-        self.slow, self.factor = slow, factor
+        self.slow = {slow} if isinstance(slow, str) else set(slow or ())
+        self.factor = factor
         self.busy: dict[str, int] = {}  # node -> copy running there
         self.queue: list[Submit] = []  # sent, not started
         self.ends: list[tuple[float, int]] = []  # (time, copy)
@@ -46,7 +47,7 @@ class Cluster:
         return [n for n in self.ids if n not in self.busy]
 
     def speed(self, node: str) -> float:
-        return self.factor if node == self.slow else 1.0
+        return self.factor if node in self.slow else 1.0
 
     def apply(self, out: list, length: dict) -> None:
         for ins in out:
@@ -213,8 +214,12 @@ def test_a_long_task_on_a_node_not_slow_is_not_duplicated_before_overdue():
     """Mixed category: a task 1.5 s in on a normal node is one of the ~2-s ones, with
     about 0.5 s left, less than a fresh copy would take: no duplicate, though CPUs idle
     at the tail. Once it has run min-gain (0.25 s) longer than every one of the
-    category's six finished runs (2.1 s) it is overdue: duplicated, no min-runtime."""
-    s, sub = _running_on_n0(SIX, {"f-0": set()})
+    category's ten finished runs (2.1 s) it is overdue: duplicated, no min-runtime.
+    (With SIX alone, two runs a node, the kernel over the others' four runs is so wide
+    that n0's 0.2-s and 2.1-s runs leave paces up to 4 in doubt: the weighed saving
+    duplicates it at the tail 1.5 s in.)"""
+    more = [(0.25, "n1"), (0.21, "n2"), (2.05, "n1"), (1.85, "n2")]
+    s, sub = _running_on_n0(SIX + more, {"f-0": set()})
     assert s.handle(Tick(11.5, {"n1": 1.0, "n2": 1.0})) == []
     assert s.handle(Tick(12.3, {"n1": 1.0, "n2": 1.0})) == []
     (dup,) = s.handle(Tick(12.4, {"n1": 1.0, "n2": 1.0}))
@@ -299,3 +304,182 @@ def test_random_stragglers(nodes, factor, mix, n, seed):
     # speed ends later; only the slowed node's copies are
     assert set(s.speculator.overtaken) <= ({"n0"} if factor > 1 else set())
     assert all(r <= factor + 1e-6 for r in s.speculator.overtaken.get("n0", ()))
+
+
+# ---- paces weighed (session 3) ----------------------------------------------------
+
+OTHERS = [(0.23, "n2"), (0.24, "n1"), (0.34, "n1"), (1.26, "n2"), (1.76, "n1"), (0.25, "n2")]
+
+
+def _learned(runs: list, nodes: int = 3) -> State:
+    s = make({"f-0": set(), "f-1": set(), "f-2": set(), "f-3": set()}, ["f-3"], nodes)
+    for x, n in runs:
+        s.speculator.learn(s.category("f"), x, n)
+    return s
+
+
+def _weight(post, lo: float, hi: float) -> float:
+    return sum(w for p, w in post if lo <= p <= hi)
+
+
+def test_runs_between_the_lengths_weigh_a_pace_that_puts_them_on_one():
+    """3 nodes, f mixes ~0.25 s and 1.3-1.8 s. n0 ran 0.71 and 0.51: between the two
+    lengths at pace 1, on the short one at pace 2 (a 2x node, never judged slow)."""
+    s = _learned([*OTHERS, (0.71, "n0"), (0.51, "n0")])
+    sp = s.speculator
+    post = sp.posterior("n0")
+    assert sum(w for _, w in post) == pytest.approx(1.0, abs=1e-3)
+    assert _weight(post, 1.5, 3.1) > 1.5 * _weight(post, 1.0, 1.0)
+    assert not sp.slow("n0") and 1.4 < sp.expected_pace("n0") < 3.5
+    assert sp.posterior("n1")[0] == (1.0, pytest.approx(sp.posterior("n1")[0][1]))
+    assert sp.expected_pace("n2") < sp.expected_pace("n0")
+
+
+def test_one_long_run_on_a_node_among_normal_ones_weighs_pace_one_most():
+    """n0 ran one 2.0-s task of a 0.2 s / 2 s mix: at pace 1 a long task, at 10 a
+    short one. Its likelihood alone leans to 10 (the others ran more short tasks), but
+    the other nodes' paces, all near 1, make 1 its likeliest. Runs of about 1 s fit no
+    length at pace 1: each weighs more towards 5; a short run beside a long one rules
+    the slow paces out."""
+    runs = [(x, n) for n in ("n1", "n2", "n3") for x in (0.2, 0.21, 0.19, 2.0, 2.1)]
+
+    def n0(*mine: float) -> State:
+        return _learned([*runs, *[(x, "n0") for x in mine]], nodes=4)
+
+    s = n0(2.0)
+    like, grid = s.speculator._likelihood("n0"), s.speculator.GRID
+    assert max(like[i] for i, p in enumerate(grid) if p > 5) > like[0]
+    post = dict(s.speculator.posterior("n0"))
+    assert max(post, key=post.get) == 1.0
+    paces = [n0(*mine).speculator.expected_pace("n0") for mine in ([1.0], [1.0, 1.05, 0.95])]
+    assert paces[0] < paces[1] and paces[1] > 2.5
+    assert _weight(n0(1.0, 1.05, 0.95).speculator.posterior("n0"), 3.5, 7.5) > 0.3
+    assert n0(2.0, 0.2).speculator.expected_pace("n0") < 1.3
+
+
+def test_no_finished_run_no_weighed_pace():
+    s = _learned(OTHERS)
+    assert s.speculator.posterior("n0") is None
+    assert s.speculator.expected_pace("n0") == 1.0
+
+
+def _tail(n0_runs: list, ran: float) -> list:
+    """f-0 started on n0 at 10 s; n1 idle at the tail ``ran`` s later."""
+    deps = {"f-0": set()}
+    s = make(deps, ["f-0"], nodes=3)
+    for x, n in [*OTHERS, *n0_runs]:
+        s.speculator.learn(s.category("f"), x, n)
+    (sub,) = [i for i in s.start() if isinstance(i, Submit)]
+    s.handle(TaskStarted(sub.copy, "n0", 10.0))
+    return s.handle(Tick(10.0 + ran, {"n1": 1.0}))
+
+
+def test_the_tail_duplicates_on_the_saving_weighed_over_paces():
+    """The worked example: n0 ran one 1.76-s run (a long task at pace 1, or a 0.35-s
+    one at 5) and is 0.57 s into another when n1 idles. At pace 1 it has ~0.9 s left
+    (no gain); at 5, ~1.1 s more than a fresh copy. Weighed, the saving is past
+    min-gain: duplicated, 1.5 s before it would be overdue. Had n0 also run a 0.3-s
+    task (no node 5x slow runs that), the weight is on 1: left to run."""
+    (dup,) = _tail([(1.76, "n0")], 0.57)
+    assert dup.duplicate and dup.node == "n1"
+    assert _tail([(1.76, "n0"), (0.3, "n0")], 0.57) == []
+
+
+@pytest.mark.parametrize("restarting", [(), ("n1",), ("n1", "n2")])
+def test_the_last_task_goes_to_the_free_node_of_least_pace(restarting):
+    """At the tail (nothing else ready), the final task goes (soft) to the free node
+    whose runs weigh the least pace, not to n0, whose runs say 2x; never to a node
+    whose worker a forced cancel is stopping (it would wait for a new one): with n1
+    and n2 so, no choice is left, and Ray places it."""
+    deps = {"f-0": set(), "total": {"f-0"}}
+    s = make(deps, ["total"], nodes=3)
+    for x, n in [*OTHERS, (0.71, "n0"), (0.51, "n0")]:
+        s.speculator.learn(s.category("f"), x, n)
+    (sub,) = [i for i in s.start() if isinstance(i, Submit)]
+    s.handle(TaskStarted(sub.copy, "n2", 10.0))
+    s.handle(Tick(10.1, {"n0": 1.0, "n1": 1.0}))
+    s.speculator.restarting.update(restarting)
+    out = s.handle(TaskFinished(sub.copy, {"f-0": 0.2}, 8, "n2", 10.0))
+    (last,) = [i for i in out if isinstance(i, Submit)]
+    assert last.keys == ("total",)
+    if len(restarting) == 2:
+        assert last.node is None
+        return
+    assert last.soft and last.node in {"n1", "n2"} - set(restarting)
+    assert last.placed.startswith("the tail:")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    nodes=st.sampled_from([3, 4, 6]),
+    slowed=st.integers(0, 2),
+    factor=st.sampled_from([2.0, 3.0, 5.0]),
+    ranges=st.sampled_from(
+        [((0.1, 0.4), (1.0, 2.0)), ((0.5, 1.0),), ((0.1, 0.3), (0.6, 0.9), (1.5, 2.0))]
+    ),
+    n=st.integers(6, 30),
+    seed=st.integers(0, 1000),
+)
+def test_on_is_never_slower_than_off(nodes, slowed, factor, ranges, n, seed):
+    """Speculation on never ends the compute later than off by more than a tick: its
+    duplicates only borrow idle CPUs (ready work preempts them), and its placements at
+    the tail only avoid nodes whose runs weigh slower (none, two slowed, one to three
+    lengths)."""
+    rng = random.Random(seed)
+    deps, length, outputs = bag([rng.uniform(*ranges[i % len(ranges)]) for i in range(n)])
+    slow = tuple(f"n{i}" for i in range(slowed))
+    took = {}
+    for on in (False, True):
+        state = make(deps, outputs, nodes, Speculation(enabled=on))
+        took[on], state = simulate(state, Cluster(nodes, slow, factor), length)
+        assert state.done
+    assert took[True] <= 1.05 * took[False] + 0.25, took
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    runs=st.lists(
+        st.tuples(
+            st.sampled_from(["f", "g"]),
+            st.floats(0.05, 5.0),
+            st.sampled_from(["n0", "n1", "n2", "n3", "n4"]),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=60,
+    ),
+    nodes=st.sampled_from([5, 20]),
+)
+def test_weighed_paces_cached_as_weighed_afresh(runs, nodes):
+    """The caches of the weighed paces (each category's term of a node, its sum, the
+    prior's sum past PRIOR_ALL nodes) give what weighing every node afresh gives, after
+    runs learned one by one (finished or a loser's), with posteriors asked in between."""
+    deps = {f"{c}-{i}": set() for c in "fg" for i in range(2)}
+    s = make(deps, list(deps), nodes)
+    sp = s.speculator
+    for i, (cat, x, node, done) in enumerate(runs):
+        if done:
+            sp.learn(s.category(cat), x, node)
+        else:
+            sp._run(s.category(cat), node, x, False)
+        if i % 3 == 0:
+            sp.posterior(node)
+    sp.validate()  # the caches' own invariants
+    ids = [f"n{i}" for i in range(5)]
+    cached = {n: sp.posterior(n) for n in ids}
+    if nodes > sp.PRIOR_ALL:  # the prior's sum: the nodes weighed so far, as weighed last
+        for n in ids:
+            sp._likelihood(n)
+        sp._prior_now = None
+        sp._post_now.clear()
+        cached = {n: sp.posterior(n) for n in ids}
+    for m in (sp._kept_ll, sp._terms, sp._kernels, sp._logs, sp._like_now, sp._post_now):
+        m.clear()
+    sp._prior_now = None
+    afresh = {n: sp.posterior(n) for n in ids}
+    for n in ids:
+        assert (cached[n] is None) == (afresh[n] is None), n
+        if cached[n] is not None:
+            assert [p for p, _ in cached[n]] == [p for p, _ in afresh[n]], n
+            for (_, a), (_, b) in zip(cached[n], afresh[n], strict=True):
+                assert a == pytest.approx(b, rel=1e-6, abs=1e-9), n

@@ -66,13 +66,49 @@ longer task, and no mix of lengths, explains that. The ratio is a floor of the n
 pace ``p`` (so a 2x node, never blocked, has its next straggler's time left estimated
 at 2x), and one ratio of ``slow_node`` or more judges it slow at once: the two ranked
 runs guard against a task longer than any seen, which a pair rules out. Nothing else
-raises the pace of a node not judged slow: in a category mixing lengths, a few runs
-ranked against the others cannot tell a slowed node from one that drew long tasks
-(a normal node that ran one 1.8-s task of a 0.2 s / 1.4 s mix ranks like a 5x one).
+judges a node not judged slow, nor sets its ``pace``: in a category mixing lengths, a
+few runs ranked against the others cannot tell a slowed node from one that drew long
+tasks (a normal node that ran one 1.8-s task of a 0.2 s / 1.4 s mix ranks like a 5x
+one); at the tail its pace is *weighed* instead (below).
 Worked example (6 one-CPU nodes, n0 hung, 17 tasks of 0.2-1.8 s): n0's copy of a
 0.35-s task is duplicated at the tail and overtaken when it has run 3.1 s: 8.9x, n0 is
 slow, and the final task, sent a moment later, goes (soft) to a node not slow rather
 than to the CPU n0's cancelled copy just freed, where it would hang until overdue.
+
+**Paces weighed, at the tail.** A rank at one factor cannot tell "slow node drew a
+short task" from "normal node drew a long one" in a category mixing lengths; nor see a
+2x node whose runs fall *between* its category's lengths. So at the tail (and only
+there: nothing here judges a node slow, blocks it or reorders work) each node's pace
+is weighed over paces ``p`` 1.25 apart (``posterior``). A run of ``x`` s at pace ``p`` is a
+task of ``x / p`` s at nominal speed drawn like the other nodes' runs of its category:
+its likelihood is their density at ``log x - log p`` (a Gaussian kernel over their log
+runs, Silverman's robust width); a run not finished (or a loser) lasted at least ``x``:
+the others' fraction at least ``x / p``. The prior is the cluster's: the mean of the
+other nodes' likelihoods, plus one node of any pace (uniform in ``log p``), so a node
+among normal ones needs more than one ambiguous run to weigh slow, and one among slow
+ones less. A copy's expected saving from a duplicate is the weighed
+``max(0, left_p - fresh_p)`` (a duplicate that loses costs only the idle CPU): duplicated
+past ``min_gain``; candidates in LATE's order (longest expected time left first); the
+duplicate goes to the free node of least weighed pace, if the copy is still expected to
+lose to it at that node's measured ``pace``. At the tail a first copy (the final task,
+say) goes, soft, to the free node of least weighed pace (``to_fastest``) when the free
+nodes differ, but never to one whose worker a forced cancel is stopping (``restarting``):
+it would wait there for a new worker process. Worked example (3 nodes, one 5x; ``f`` mixes ~0.25-s and 1.3-1.8-s
+tasks): the others ran ``[0.23, 0.24, 0.25, 0.34, 1.26, 1.76]`` (kernel width 0.58 in
+log); n0 ran one 1.76-s run and is 0.57 s into another when n1 idles. Alone, n0's
+likelihood is 5.4x higher at 7.45 than at 1 (four short runs fit ``1.76 / p`` there, two
+long ones at 1); n1's and n2's paces lean to 1 (their runs split between both
+lengths), so weighed: 0.18 at 1, 0.19 at 1.25, ..., 0.04 at 4.77, mean 3.2. At pace 1
+the copy is a 1.76-s task with 1.19 s left, saves nothing; at 4.77 a 0.34-s one with
+1.05 s left, saves 0.71 s; weighed it saves 0.66 s > 0.25: duplicated, about 1.5 s
+before it would be overdue. Had n0 also run a 0.3-s task (no node 5x slow runs that),
+the weights sit at 1-2 (mean 1.4), the saving is 0.16 s: left to run. Kept
+conservative: a node with no finished run ranked weighs 1; the prior from the other
+nodes keeps one long run among normal nodes at 1 most likely. Silverman's width
+oversmooths a category of two tight lengths (a node whose runs fit no length at pace 1
+still weighs 1 at 30 % after three runs); a width by cross-validation separates that
+sharply but, on 5-7 runs, lost 3n 2x short mixed (1.19x to 1.41x in the simulated
+family): not taken.
 
 Why these thresholds: ``slow_node`` 3: avoiding a node ``r`` times slower loses at most
 ``1/r`` of one node's work, ``(1/3) / (n - 1 + 1/3)`` of the cluster's (14 % of 3 nodes,
@@ -94,6 +130,22 @@ changes (a slow run of its own, a copy overtaken) or in turn at a tick (``JUDGED
 tick, so its running copies age into evidence), and the copies running on each node
 are indexed by node: at 280 nodes of 12 CPUs, about 0.3 ms per event, not 30.
 
+**What weighing costs.** Paces are weighed only for the nodes that take part in a tail
+decision: those running a copy that might be duplicated, and the free nodes a
+duplicate or a last first copy might go to (at most ``TAIL_NODES``, those of most free
+CPUs). A node's likelihood is a sum of one term per category it ran, each cached until
+its own runs of it, the category's kernel or the slow nodes change; only the changed
+terms are weighed again. A kernel is tabled once (``LATTICE`` points a step of the
+pace grid, over the others' runs, at most ``SAMPLE`` of them: their quantiles), and a
+run's likelihood over the 42 paces is 42 look-ups in it; past ``SHARED`` runs a
+category has one kernel for all nodes (a node's own ``PACE`` runs are then under a
+sixteenth of it). A category's kernel is read again after ``len / REREAD`` of its runs
+came or went (each one below ``REREAD`` runs). Running copies weigh in afresh when
+time passes (at a tick: every node up to ``PRIOR_ALL`` nodes, else ``JUDGED`` in
+turn, as judging). The prior: up to ``PRIOR_ALL`` nodes, every node's likelihood;
+past that, the sum of the kept runs' likelihoods of the nodes weighed so far, updated
+as each is weighed again and read again after a sixteenth of them were.
+
 Worked example (``slow_node`` 3, 4 one-CPU nodes, ``f`` mixes 0.2 s and 2 s tasks):
 n0 and n1 ran ``f`` in ``[0.2, 0.2, 0.3]`` and ``[2.0, 2.1]``. n3, five times slower,
 ran ``1.0`` (a 0.2-s task) and ``10.0``, and is 9 s into a third: ``u`` = F(0.33) =
@@ -113,8 +165,9 @@ import math
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from statistics import median
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from raydag import config
 from raydag.core.events import Cancel, TaskFinished, TaskStarted, Tick, Won
@@ -186,6 +239,14 @@ class Speculator:
     HIGH = 0.95  # the upper end of a category's runtimes when ``quantile`` is off
     SLOW_RANK = 0.9  # a run over ``slow_node`` still above this much of the others': slow
     JUDGED = 8  # nodes judged again in turn at each tick (``ticked``)
+    STEP = math.log(1.25)  # the paces a posterior weighs: 1.25 apart, up to 10^4
+    GRID = tuple(1.25**k for k in range(42))
+    SAMPLE = 64  # a kernel sums over at most this many of the others' runs (quantiles)
+    LATTICE = 8  # a kernel is tabled at log-paces STEP / LATTICE apart
+    SHARED = 256  # past this many runs, a category's kernel keeps each node's own runs
+    REREAD = 32  # a category's kernel is re-read after len(runs) / REREAD changes
+    PRIOR_ALL = 16  # up to this many nodes alive, the prior weighs every node's runs
+    TAIL_NODES = 16  # free nodes weighed for a tail placement: those of most free CPUs
 
     def __init__(self, state: State, settings: Speculation) -> None:
         self.s = state
@@ -218,6 +279,38 @@ class Speculator:
         self.overtaken: dict[str, list[float]] = {}
         # (node, CPUs): where a duplicate just won; the next first copies go there
         self.steer: tuple[str, float] | None = None
+        # nodes whose worker a forced cancel (a loser, a preempted duplicate) is stopping,
+        # till a copy starts there again: a first copy sent there waits for a new worker
+        self.restarting: set[str] = set()
+        # Weighed paces (see "Paces weighed, at the tail" and "What weighing costs"):
+        # versions of what a node's likelihood reads: (node, category) -> its own runs;
+        # category -> its kernel (bumped every len(runs) / REREAD changes,
+        # ``_kernel_changed``); the slow nodes (their runs leave the others')
+        self._own_ver: dict[tuple[str | None, str], int] = {}
+        self._kver: dict[str, int] = {}
+        self._kpending: dict[str, int] = {}
+        self._slow_ver = 0
+        # category -> (kernel version, its finished runs then, sorted, and their logs)
+        self._logs: dict[str, tuple[int, np.ndarray, np.ndarray]] = {}
+        # (category, node) -> (versions, its kernel tabled: ``_kernel``); (category, node)
+        # -> (versions, the log-likelihood of its kept runs over GRID, any finished)
+        self._kernels: dict[tuple[str, str], tuple[tuple, tuple | None]] = {}
+        self._terms: dict[tuple[str, str], tuple[tuple, np.ndarray | None, bool]] = {}
+        # node -> the sum of its terms and whether one is finished: dropped when its runs,
+        # a kernel of its categories or the slow nodes change
+        self._kept_ll: dict[str, list] = {}  # node -> [sum, terms finished]
+        self._dirty: dict[str, set[str]] = {}  # node -> its categories whose term changed
+        # past PRIOR_ALL nodes, the prior's sum: node -> its kept runs' likelihood as last
+        # weighed (alive nodes only), and their sum
+        self._kept: dict[str, np.ndarray] = {}
+        self._kept_sum = np.zeros(len(self.GRID))
+        # till a run is learned or time passes (``_forget``): node -> its likelihood with
+        # its running copies, the prior, node -> its posterior
+        self._like_now: dict[str, np.ndarray | None] = {}
+        self._prior_now: np.ndarray | None = None
+        self._kept_changes = 0  # nodes weighed again since ``_prior_now`` (past PRIOR_ALL)
+        # node -> (the likelihood, prior and floor it was weighed with, its posterior)
+        self._post_now: dict[str, tuple] = {}
 
     @property
     def enabled(self) -> bool:
@@ -255,13 +348,17 @@ class Speculator:
     def _run(self, cat: Category, node: str | None, seconds: float, done: bool) -> None:
         runs = cat.runs_on.setdefault(node, [])
         runs.append((seconds, done))
+        self._own_ver[(node, cat.name)] = self._own_ver.get((node, cat.name), 0) + 1
+        self._dirty.setdefault(node, set()).add(cat.name)  # type: ignore[arg-type]
         if done:
             insort(self._done.setdefault(cat.name, []), seconds)
             self._finishers.setdefault(cat.name, set()).add(node)
+            self._kernel_changed(cat.name, 1)
         self._cats_of.setdefault(node, set()).add(cat.name)
         self._trim(cat, node, self.SEEDS if node is None else self.PACE)
         if node is not None and not done or self._slow_run(cat.name, node, seconds):
             self._unjudged.add(node)  # a run not slow cannot make its node slow
+        self._drop_like(node)
         self._forget()
 
     def _slow_run(self, name: str, node: str | None, seconds: float) -> bool:
@@ -276,12 +373,30 @@ class Speculator:
         if not runs or len(runs) <= keep:
             return
         done = self._done.get(cat.name, [])
+        gone = 0
         for x, finished in runs[: len(runs) - keep]:
             if finished:
                 del done[bisect_left(done, x)]
+                gone += 1
         del runs[: len(runs) - keep]
+        self._own_ver[(node, cat.name)] = self._own_ver.get((node, cat.name), 0) + 1
+        self._dirty.setdefault(node, set()).add(cat.name)  # type: ignore[arg-type]
+        if gone:
+            self._kernel_changed(cat.name, gone)
         if not any(finished for _, finished in runs):
             self._finishers.get(cat.name, set()).discard(node)
+
+    def _kernel_changed(self, name: str, runs: int) -> None:
+        """``runs`` of ``name``'s finished runs came or went: its kernel is read again
+        once ``len / REREAD`` have (every change below ``REREAD`` runs)."""
+        pending = self._kpending.get(name, 0) + runs
+        if pending >= max(1, len(self._done.get(name, ())) // self.REREAD):
+            self._kver[name] = self._kver.get(name, 0) + 1
+            self._drop_like()  # every node with runs of it is weighed again
+            for m in self.s.categories[name].runs_on if name in self.s.categories else ():
+                self._dirty.setdefault(m, set()).add(name)  # type: ignore[arg-type]
+            pending = 0
+        self._kpending[name] = pending
 
     def long_mean(self, r: Runtimes) -> bool:
         """Does this category's mean make it known long, for reordering?"""
@@ -333,10 +448,12 @@ class Speculator:
     def _release(self, n: NodeState) -> None:
         n.slow_since = None
         self.slow_nodes.discard(n.id)
+        self._slow_ver += 1
+        self._kept_ll.clear()
         self.overtaken.pop(n.id, None)
         for name in self._cats_of.get(n.id, ()):
             self._trim(self.s.categories[name], n.id, 1)
-        self._forget()
+        self._forget(likelihoods=True)
 
     def _judge(self, node: str) -> bool:
         n = self.s.nodes.get(node)
@@ -351,7 +468,10 @@ class Speculator:
         if paired or (slow_runs >= sp.slow_node_runs and slow_runs >= len(ranks) / 3):
             n.slow_since = self.s.now
             self.slow_nodes.add(node)
-            self._forget()  # the others' yardstick and the nominal runs lose its runs
+            self._slow_ver += 1
+            self._kept_ll.clear()
+            # the others' yardstick, the nominal runs and the kernels lose its runs
+            self._forget(likelihoods=True)
             return True
         return False
 
@@ -436,6 +556,269 @@ class Speculator:
             got = self._pace_now[node] = math.exp(lo)
         return got
 
+    # ---- paces weighed (at the tail) ------------------------------------------------
+
+    def _versions(self, name: str, node: str) -> tuple[int, int, int]:
+        return (self._kver.get(name, 0), self._own_ver.get((node, name), 0), self._slow_ver)
+
+    def _kernel(self, name: str, node: str) -> tuple | None:
+        """The kernel ``node``'s runs of ``name`` are weighed with, tabled: ``(j0, density,
+        survival)``, at log-runs ``(j0 + i) * STEP / LATTICE``, of the other nodes'
+        finished runs (not ``node``'s, not the slow nodes'; at most ``SAMPLE`` of them,
+        their quantiles): their Gaussian kernel density (width: Silverman's robust rule,
+        ``0.9 min(sd, IQR / 1.34) n^(-1/5)`` over them all, at least half a step of
+        ``GRID``: a narrower kernel would fall between the paces it weighs), cut 5 widths
+        out, and the fraction at least each (the kernel's, a logistic for its normal
+        tail). ``None``: fewer than ``slow_node_others`` runs. Cached until the
+        category's kernel, the node's runs of it or the slow nodes change."""
+        shared = len(self._done.get(name, ())) > self.SHARED  # its own: 1/16 at most
+        ver = (self._kver.get(name, 0), 0, self._slow_ver) if shared else self._versions(name, node)
+        at = (name, "" if shared else node)
+        cached = self._kernels.get(at)
+        if cached is not None and cached[0] == ver:
+            return cached[1]
+        got = self._table(name, None if shared else node)
+        self._kernels[at] = (ver, got)
+        return got
+
+    def _table(self, name: str, node: str | None) -> tuple | None:
+        ver = self._kver.get(name, 0)
+        cached = self._logs.get(name)
+        if cached is None or cached[0] != ver:
+            secs = np.asarray(self._done.get(name, ()), dtype=float)
+            cached = self._logs[name] = (ver, secs, np.log(secs))
+        _, secs, logs = cached
+        cat = self.s.categories[name]
+        mine = () if node is None else (node,)
+        drop = sorted(  # the node's own finished runs and the slow nodes'
+            x
+            for m in (*mine, *(m for m in self.slow_nodes if m != node))
+            for x, done in cat.runs_on.get(m, ())
+            if done
+        )
+        if drop:  # each taken out once (a run the cached logs predate is skipped)
+            keep = np.ones(len(logs), dtype=bool)
+            last, i = None, 0
+            for y, j in zip(drop, np.searchsorted(secs, drop).tolist(), strict=True):
+                i = max(i, j) if y == last else j
+                if i < len(secs) and secs[i] == y:
+                    keep[i] = False
+                    i += 1
+                last = y
+            logs = logs[keep]
+        n = len(logs)
+        if n < max(self.settings.slow_node_others, 1):
+            return None
+        h = self.STEP / 2
+        if n > 1:
+            sd = float(logs.std(ddof=1))
+            iqr = float(logs[(3 * n) // 4] - logs[n // 4])
+            spread = min(sd, iqr / 1.34) if iqr > 0 else sd
+            h = max(h, 0.9 * spread * n**-0.2)
+        if n > self.SAMPLE:
+            logs = logs[((np.arange(self.SAMPLE) + 0.5) * (n / self.SAMPLE)).astype(int)]
+        dz = self.STEP / self.LATTICE
+        j0 = math.floor((float(logs[0]) - 5 * h) / dz)
+        j1 = math.ceil((float(logs[-1]) + 5 * h) / dz)
+        d = ((np.arange(j0, j1 + 1) * dz)[:, None] - logs[None, :]) / h
+        density = np.where(np.abs(d) <= 5, np.exp(-0.5 * d * d), 0.0).mean(axis=1)
+        survival = (1.0 / (1.0 + np.exp(np.clip(1.702 * d, -700, 700)))).mean(axis=1)
+        return j0, np.log(np.maximum(density, 1e-300)), np.log(np.maximum(survival, 1e-300))
+
+    _J = np.arange(len(GRID)) * LATTICE  # GRID's paces, in lattice steps
+
+    def _loglik(self, kernel: tuple, xs: list[float], done: bool) -> np.ndarray:
+        """The log-likelihood over ``GRID`` of runs ``xs`` of a category, tabled
+        ``kernel``: at each run's log less each pace's, interpolated in the table."""
+        j0, density, survival = kernel
+        table = density if done else survival
+        at = (np.log(xs) / (self.STEP / self.LATTICE) - j0)[:, None] - self._J[None, :]
+        i = np.floor(at).astype(int)  # run x pace
+        t = at - i
+        inside = (i >= 0) & (i + 1 < len(table))
+        lo = table[np.clip(i, 0, len(table) - 1)]
+        hi = table[np.clip(i + 1, 0, len(table) - 1)]
+        got = np.where(inside, (1 - t) * lo + t * hi, 0.0)
+        if done:  # no density past the table
+            got = np.where(inside, got, math.log(1e-300))
+        else:  # the fraction at least: all below the table, none above
+            got = np.where(inside | (i < 0), got, math.log(1e-300))
+        return got.sum(axis=0)
+
+    def _term(self, name: str, node: str) -> tuple[np.ndarray | None, bool]:
+        """The log-likelihood over ``GRID`` of ``node``'s kept runs of ``name`` (``None``:
+        none weighed), and whether one is finished; cached as ``_kernel``."""
+        ver = self._versions(name, node)
+        cached = self._terms.get((name, node))
+        if cached is not None and cached[0] == ver:
+            return cached[1], cached[2]
+        runs = [(x, d) for x, d in self.s.categories[name].runs_on.get(node, ()) if x > 0]
+        kernel = self._kernel(name, node) if runs else None
+        ll, finished = None, False
+        if kernel is not None:
+            ll = np.zeros(len(self.GRID))
+            for done in (True, False):
+                xs = [x for x, d in runs if d is done]
+                if xs:
+                    ll += self._loglik(kernel, xs, done)
+                    finished = finished or done
+        self._terms[(name, node)] = (ver, ll, finished)
+        return ll, finished
+
+    def _likelihood(self, node: str, running: bool = True) -> np.ndarray | None:
+        """How well each pace of ``GRID`` explains ``node``'s runs, normalized to sum 1;
+        ``None`` when it has no finished run to weigh. A run of ``x`` s at pace ``p`` is
+        a task of ``x / p`` s at nominal speed, drawn like the other nodes' runs of its
+        category: its likelihood is their density at ``log x - log p`` (``_kernel``); a
+        run not finished (running, ``running``, or a loser cancelled) lasted at least
+        ``x``: the others' fraction at least ``x / p`` (censored). The kept runs' terms are
+        cached (``_term``); the running copies' are looked up again when its runs change
+        or time passes (``ticked``)."""
+        if running and node in self._like_now:
+            return self._like_now[node]
+        kept = self._kept_ll.get(node)
+        dirty = self._dirty.pop(node, ())
+        if kept is None:  # the sum of its terms (``_term``)
+            kept = self._kept_ll[node] = [np.zeros(len(self.GRID)), 0]
+            dirty = self._cats_of.get(node, ())
+            fresh = True
+        else:  # only the terms whose versions changed are weighed again
+            fresh = False
+        for name in dirty:
+            old = None if fresh else self._terms.get((name, node))
+            if old is not None and old[0] == self._versions(name, node):
+                continue
+            if old is not None and old[1] is not None:
+                kept[0] -= old[1]
+                kept[1] -= old[2]
+            term, done = self._term(name, node)
+            if term is not None:
+                kept[0] += term
+                kept[1] += done
+        if dirty and len(self.s.nodes) > self.PRIOR_ALL:
+            self._keep(node, self._normal(kept[0]) if kept[1] else None)
+        ll, finished = kept[0].copy(), kept[1] > 0
+        if running:
+            now: dict[str, list[float]] = {}
+            for cid, g in self._running.get(node, {}).items():
+                ran = self.s.now - g.copies[cid].started
+                if ran > 0 and self._may_duplicate(g):
+                    now.setdefault(self.s.tasks[g.lead].category, []).append(ran)
+            for name, xs in now.items():
+                kernel = self._kernel(name, node) if self._done.get(name) else None
+                if kernel is not None:
+                    ll += self._loglik(kernel, xs, False)
+        got = self._normal(ll) if finished else None
+        if running:
+            self._like_now[node] = got
+        return got
+
+    @staticmethod
+    def _normal(ll: np.ndarray) -> np.ndarray:
+        w = np.exp(ll - ll.max())
+        return w / w.sum()
+
+    def _keep(self, node: str, like: np.ndarray | None) -> None:
+        """``node``'s kept runs' likelihood, as weighed now, in the prior's sum."""
+        old = self._kept.pop(node, None)
+        if old is not None:
+            self._kept_sum -= old
+        n = self.s.nodes.get(node)
+        if like is not None and n is not None and n.alive:
+            self._kept[node] = like
+            self._kept_sum += like
+        self._kept_changes += 1
+        if self._kept_changes >= max(1, len(self._kept) // 16):
+            self._prior_now, self._kept_changes = None, 0
+
+    def _drop_like(self, node: str | None = None) -> None:
+        """``node``'s likelihood (``None``: every node's) is to be weighed again."""
+        if node is None:
+            self._like_now.clear()
+        else:
+            self._like_now.pop(node, None)
+        if len(self.s.nodes) <= self.PRIOR_ALL:
+            self._prior_now = None
+
+    def node_gone(self, node: str) -> None:
+        """``node`` died: its runs weigh in no prior."""
+        self._keep(node, None)
+
+    def _prior(self) -> np.ndarray:
+        """The cluster's pace, a priori: one node of any pace (uniform over ``GRID``) and
+        the sum of the nodes' likelihoods: up to ``PRIOR_ALL`` nodes, every alive one's
+        (with its running copies); past that, the kept runs' of the nodes
+        as they were last weighed for a tail decision (``_kept``), a sum kept up to date
+        as each is weighed again, so no decision weighs every node."""
+        if self._prior_now is None:
+            total = np.full(len(self.GRID), 1.0 / len(self.GRID))
+            if len(self.s.nodes) <= self.PRIOR_ALL:
+                for n in list(self.s.nodes.values()):
+                    like = self._likelihood(n.id) if n.alive else None
+                    if like is not None:
+                        total = total + like
+            else:
+                total = total + self._kept_sum
+            self._prior_now = total
+        return self._prior_now
+
+    def _mine_in_prior(self, node: str, like: np.ndarray) -> np.ndarray | None:
+        """``node``'s own share of ``_prior``'s sum (it is the others' it weighs; past
+        ``PRIOR_ALL`` nodes, one of many, it stays)."""
+        n = self.s.nodes.get(node)
+        if len(self.s.nodes) > self.PRIOR_ALL or n is None or not n.alive:
+            return None
+        return like
+
+    def posterior(self, node: str | None) -> tuple[tuple[float, float], ...] | None:
+        """``node``'s pace, weighed: ``((pace, weight), ...)`` over ``GRID`` (from the
+        floor its overtaken copies set), the weights summing to 1; ``None`` when it has
+        no finished run to weigh (then its pace is ``pace``'s). Its runs' likelihood
+        (``_likelihood``) times a prior drawn from the cluster itself: a node's pace is a
+        priori like the other nodes' (the sum of their likelihoods, and one node of any
+        pace, uniform in ``log p``, so no pace is ruled out a priori). Unlike a rank at
+        one fixed factor, this weighs every pace: runs that fall *between* a category's
+        lengths at pace 1 and on them at pace 2 say 2; one run that fits a long task at
+        1 and a short one at 5 says "either", and the other nodes, mostly at 1, tip it
+        to 1, so "normal node, long task" is not taken for "slow node, short task" on
+        one run while nothing else in the cluster is slow."""
+        sp = self.settings
+        if node is None or sp.slow_node is None or not self.enabled:
+            return None
+        if self._unjudged:
+            self._settle()
+        like = self._likelihood(node)
+        prior = self._prior() if like is not None else None
+        floor = max([1.0, *self.overtaken.get(node, ())])
+        cached = self._post_now.get(node)
+        if cached is not None and cached[0] is like and cached[1] is prior and cached[2] == floor:
+            return cached[3]
+        got = None
+        if like is not None:
+            mine = self._mine_in_prior(node, like)
+            if mine is not None:  # the others' likelihoods: its own is in the sum
+                prior = prior - mine
+            ws = like * np.maximum(prior, 0.0)
+            ws[np.asarray(self.GRID) < floor - 1e-9] = 0.0
+            total = float(ws.sum())
+            if total <= 0:  # its floor is past every pace its runs allow
+                got = ((floor, 1.0),)
+            else:
+                got = tuple(
+                    (p, w / total)
+                    for p, w in zip(self.GRID, ws.tolist(), strict=True)
+                    if w > 1e-4 * total
+                )
+        self._post_now[node] = (like, prior, floor, got)
+        return got
+
+    def expected_pace(self, node: str) -> float:
+        """``node``'s pace, weighed by ``posterior`` (a node judged slow: ``pace``)."""
+        post = None if self.slow(node) else self.posterior(node)
+        if post is None:
+            return self.pace(node)
+        return sum(p * w for p, w in post) / sum(w for _, w in post)
+
     def withheld(self) -> float:
         """Slots withheld from first copies: the slow nodes' CPUs not running one already,
         unless no node but slow ones is left (then work still runs there)."""
@@ -467,6 +850,37 @@ class Speculator:
         best.free = max(0.0, best.free - self.s.cpus(group))
         slow = sorted(m[:12] for m in self.slow_nodes if self.slow(m))
         return best.id, f"away from slow node {', '.join(slow)}"
+
+    def to_fastest(self, group: Group) -> tuple[str | None, str]:
+        """At the tail (no other task ready), a first copy goes (soft) to the free node of
+        least ``expected_pace``, when the free nodes' paces differ: the compute's last
+        task, say, rather than on a node its runs show likely slow but not judged so.
+        Never to a node whose worker a forced cancel is stopping (``restarting``): there
+        it would wait for a new worker process, seconds on a loaded machine. Only the
+        ``TAIL_NODES`` free nodes of most free CPUs are weighed. ``None`` away from the
+        tail, or when the free nodes look alike."""
+        s = self.s
+        lead = s.tasks[group.lead]
+        if not self.enabled or self.settings.slow_node is None or s.next_ready() is not None:
+            return None, ""
+        if not set(lead.resources or ()) <= {"CPU"} or lead.pinned:
+            return None, ""
+        cpus = s.cpus(group)
+        free = [
+            n
+            for n in s.nodes.values()
+            if n.alive and n.free >= cpus and not self.slow(n.id) and n.id not in self.restarting
+        ]
+        if len(free) < 2:
+            return None, ""
+        if len(free) > self.TAIL_NODES:
+            free = heapq.nlargest(self.TAIL_NODES, free, key=lambda n: (n.free, n.id))
+        paces = {n.id: self.expected_pace(n.id) for n in free}
+        best = min(free, key=lambda n: (paces[n.id], -n.free, n.id))
+        if paces[best.id] >= max(paces.values()) - 1e-9:
+            return None, ""
+        best.free = max(0.0, best.free - cpus)
+        return best.id, f"the tail: the free node of least pace ({paces[best.id]:.2f})"
 
     # ---- what goes first -------------------------------------------------------------
 
@@ -567,19 +981,34 @@ class Speculator:
                 return None
             ran = s.now - c.started
             longest = nominal[-1] + sp.min_gain if len(nominal) >= sp.min_samples else math.inf
+            post = None if self.slow(c.node) else self.posterior(c.node)
             if ran > min(sp.multiplier * high, longest):  # overdue: past the upper end
                 left, fresh = math.inf, high
-            else:
-                p = self.pace(c.node)
-                longer = nominal[bisect_left(nominal, ran / p) :]
-                length = median(longer) if longer else ran / p
-                left, fresh = p * length - ran, length
+            elif post is None:
+                left, fresh = self._left(nominal, ran, self.pace(c.node))
+            else:  # weighed: a duplicate saves max(0, left - fresh) at each pace
+                fresh = gain = 0.0
+                for p, w in post:
+                    lp, fp = self._left(nominal, ran, p)
+                    fresh += w * fp
+                    gain += w * max(0.0, lp - fp)
+                left = fresh + gain
             best = min(best, (left, fresh))
         return best
+
+    @staticmethod
+    def _left(nominal: list[float], ran: float, p: float) -> tuple[float, float]:
+        """(seconds left, seconds afresh) of a copy ``ran`` s into a task at pace ``p``:
+        its nominal length the median of those at least ``ran / p``."""
+        i = bisect_left(nominal, ran / p)
+        m = len(nominal) - i  # the median of nominal[i:], sorted: no copy of it
+        length = (nominal[i + (m - 1) // 2] + nominal[i + m // 2]) / 2 if m else ran / p
+        return p * length - ran, length
 
     # ---- copies --------------------------------------------------------------------
 
     def started(self, group: Group, copy: Copy) -> None:
+        self.restarting.discard(copy.node)  # a worker is up there
         if not copy.duplicate:  # a duplicate's CPU was taken when it was sent
             n = self.s.node(copy.node)
             n.free = max(0.0, n.free - self.s.cpus(group))
@@ -595,6 +1024,10 @@ class Speculator:
         """Copy ``ev.copy`` of ``group`` won; the others are being cancelled."""
         winner = group.copies[ev.copy]
         losers = tuple(c for c in group.copies if c != ev.copy)
+        for cid in losers:  # a running loser's worker is stopped (a forced cancel)
+            c = group.copies[cid]
+            if c.node is not None and c.started is not None and c.node != ev.node:
+                self.restarting.add(c.node)
         if self.enabled:
             if ev.started:
                 self.s.now = max(self.s.now, ev.started + sum(ev.durations.values()))
@@ -680,6 +1113,8 @@ class Speculator:
         for copy, cid, g in dups:
             if s.used and s.used + cost > capacity + 1e-9 and len(g.copies) > 1:
                 out.append(Cancel(cid, copy.node if s.is_alive(copy.node) else None))
+                if copy.node is not None and copy.started is not None:
+                    self.restarting.add(copy.node)
                 s.drop_copy(g, cid)
         return True
 
@@ -688,10 +1123,13 @@ class Speculator:
     def new_event(self) -> None:
         self._short_handed_now = None
 
-    def _forget(self) -> None:
-        """A run was learned, a node judged, or time passed: the estimates are stale."""
+    def _forget(self, likelihoods: bool = False) -> None:
+        """A run was learned, a node judged, or time passed: the estimates are stale;
+        ``likelihoods``: every node's too (time passed, the slow nodes changed)."""
         self._nominal_now.clear()
         self._pace_now.clear()
+        if likelihoods:
+            self._drop_like()
 
     def ticked(self, tick: Tick) -> None:
         """Ray's view of the free CPUs replaces raydag's."""
@@ -702,12 +1140,15 @@ class Speculator:
                 n = self.s.node(node)
                 n.free = cpus
                 n.cpus = max(n.cpus, cpus)
-        self._forget()  # time passed: a running copy may tell more now
+        # time passed: a running copy may tell more now (its running copies weigh in its
+        # likelihood: every node's up to PRIOR_ALL nodes, else JUDGED in turn, below)
+        self._forget(likelihoods=len(self.s.nodes) <= self.PRIOR_ALL)
         # ... and the other nodes' runs may rank a node's differently now: JUDGED nodes
         # a tick are judged again in turn (all of them on a small cluster)
         ids = list(self.s.nodes)
         for i in range(min(self.JUDGED, len(ids))):
             self._unjudged.add(ids[(self._turn + i) % len(ids)])
+            self._drop_like(ids[(self._turn + i) % len(ids)])
         self._turn = (self._turn + self.JUDGED) % max(len(ids), 1)
 
     # What changes the candidates and the free CPUs: time passing, a copy starting
@@ -729,8 +1170,9 @@ class Speculator:
             self._speculate(out, tick=type(event) is Tick)
         self.steer = None
 
-    def _candidates(self) -> list[tuple[float, int, int]]:
-        """(-time left, priority, group id) of the groups worth a duplicate now."""
+    def _candidates(self) -> list[tuple[float, int, int, float, float]]:
+        """(-time left, priority, group id, time left, afresh) of the groups worth a
+        duplicate now."""
         sp, s = self.settings, self.s
         out = []
         for g in s.groups.values():
@@ -759,7 +1201,8 @@ class Speculator:
                     continue
             elif not (late or self.long(g.lead, ran)):
                 continue
-            out.append((-left, s.tasks[g.lead].priority, g.id))
+            # LATE: the longest expected time left first (the copy that would end last)
+            out.append((-left, s.tasks[g.lead].priority, g.id, left, fresh))
         return sorted(out)
 
     def _overdue_unknown(self) -> float:
@@ -785,7 +1228,7 @@ class Speculator:
             return
         if not tick and any(c.node is None for g in s.groups.values() for c in g.copies.values()):
             return
-        for _, _, gid in self._candidates():
+        for _, _, gid, left, fresh in self._candidates():
             if len(self.in_flight) >= sp.max_in_flight:
                 return
             g = s.groups[gid]
@@ -798,7 +1241,16 @@ class Speculator:
             ]
             if not nodes:
                 continue
-            node = max(nodes, key=lambda n: (idle[n], n))
+            if len(nodes) > self.TAIL_NODES:  # weigh those of most idle CPUs only
+                nodes = heapq.nlargest(self.TAIL_NODES, nodes, key=lambda n: (idle[n], n))
+            node = min(
+                nodes, key=lambda n: (n in self.restarting, self.expected_pace(n), -idle[n], n)
+            )
+            # a duplicate there must still be expected to finish first: at its pace as
+            # measured (a floor from overtaken copies), not weighed (that choice ranks
+            # nodes, but a weighed pace is above 1 on every node its runs leave in doubt)
+            if fresh < left < math.inf and self.pace(node) * fresh + sp.min_gain >= left:
+                continue
             idle[node] -= cpus
             s.nodes[node].free = idle[node]
             copy = s.new_copy(g, node=node, duplicate=True)
@@ -862,3 +1314,21 @@ class Speculator:
         assert self.slow_nodes == slow, (self.slow_nodes, slow)
         for node, ratios in self.overtaken.items():  # floors of a pace: above 1
             assert 0 < len(ratios) <= self.PACE and min(ratios) > 1, (node, ratios)
+        # the weighed paces' caches agree with what they cache
+        assert self.restarting <= set(self.s.nodes), self.restarting
+        for name, pending in self._kpending.items():
+            assert 0 <= pending < max(1, len(self._done.get(name, ())) // self.REREAD), name
+        for node, like in self._like_now.items():
+            assert like is None or (abs(float(like.sum()) - 1) < 1e-9 and like.min() >= 0), node
+        for node in sorted(self._kept_ll)[:8]:  # a sum of its terms, those not dirty current
+            total, finished = self._kept_ll[node]
+            dirty = self._dirty.get(node, set())
+            terms = [self._terms.get((c, node)) for c in self._cats_of.get(node, ())]
+            if dirty or any(t is None for t in terms):
+                continue
+            got = sum((t[1] for t in terms if t[1] is not None), np.zeros(len(self.GRID)))
+            assert np.allclose(total, got, rtol=1e-6, atol=1e-6 * (1 + abs(got).max())), node
+            assert finished == sum(t[2] for t in terms if t[1] is not None), node
+        kept = sum(self._kept.values(), np.zeros(len(self.GRID)))
+        assert np.allclose(self._kept_sum, kept, atol=1e-6 * (1 + len(self._kept))), "kept"
+        assert all(self.s.nodes[m].alive for m in self._kept), self._kept.keys()

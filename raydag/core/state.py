@@ -679,6 +679,8 @@ class State:
             node, why = self.speculator.steered(group)
         if node is None:
             node, why = self.speculator.away_from_slow(group)
+        if node is None:
+            node, why = self.speculator.to_fastest(group)
         self.out.append(self.submit(group, copy, node=node, soft=node is not None, placed=why))
 
     def _restart(self, group: Group, copy: int) -> None:
@@ -704,6 +706,7 @@ class State:
         node.idle = 0.0
         node.store = None
         self.placer.node_gone()
+        self.speculator.node_gone(node.id)
 
     def fail(self, key: Key, error: Any, out: list[Instruction]) -> None:
         self.failed = (key, error)
