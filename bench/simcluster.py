@@ -7,10 +7,16 @@ after a delay). Time is simulated (``tests/simcluster.py``): a 5-hour compute ta
 minutes. Per run it measures the driver's CPU inside ``State`` (``time.process_time``
 around every ``handle``/``start``, apart from the simulator's own work), the driver's
 memory, the makespan against its lower bound, the recovery waves and re-executions,
-with raydag's policies (fusion, placement, speculation) on and off.
+with raydag's policies (fusion, placement, speculation) on and off, or some of them
+(``on-speculation``: all but speculation), with checkpoints or not (``+checkpoints``: the
+defaults, written and read at ``Cluster.checkpoint_bandwidth``), over several eviction
+schedules (``--draws``: which task an eviction hits moves a makespan by an hour, so a
+policy is judged on a family of draws, never on one).
 
     .nox/tests/bin/python bench/simcluster.py                      # about 15 min of CPU
     .nox/tests/bin/python bench/simcluster.py --sizes 60000 --profile
+    .nox/tests/bin/python bench/simcluster.py --sizes 60000 --evictions 0.02 \
+        --draws 0,1,2,3,4,5 --policies off,off+checkpoints,on,on+checkpoints
     .nox/tests/bin/python bench/simcluster.py --a /tmp/old-main --sizes 60000
 
 Each run is a child process that loads the graph (built and ordered once, pickled). The

@@ -261,6 +261,9 @@ class Runner:
             logger.warning("raydag: node %s died", node[:12])
             self._step(NodeDied(node, f"node died: {node[:12]}"))
         if changed:
+            logger.debug(
+                "raydag: alive nodes and CPUs now %s", {n[:8]: c for n, c in nodes.items()}
+            )
             self._step(CpusChanged(sum(nodes.values())))
 
     def _report_finished(self) -> None:
