@@ -1554,6 +1554,27 @@ def test_known_long_category_is_duplicated_as_soon_as_a_cpu_frees():
     s.validate_state()
 
 
+def test_insurance_of_a_known_long_task_needs_no_gain():
+    """A known-long task's duplicate is insurance against losing its node, made from
+    its start: not held back by the tail's test that a duplicate would finish first
+    (here its node's measured pace, 1.2, leaves a fresh copy no ``min_gain`` ahead).
+    #4's scenario (b) lost its insurance to that test: 1.09x its bound -> 1.36x."""
+    sp = Speculation(
+        enabled=True, quantile=None, long_task=3.0, min_runtime=10.0, slow_node=3.0, min_gain=5.0
+    )
+    deps = {"long-0": set(), "short-0": set()}
+    deps["total"] = set(deps)
+    s = make(deps, ["total"], capacity=2, speculation=sp, seed_runtimes={"long": [9.0, 9.5]})
+    subs = {sub.root: sub for sub in submits(s.start())}
+    s.speculator.overtaken["n1"] = [1.2]  # n1 ran an overtaken copy 1.2x slower
+    assert s.handle(TaskStarted(subs["short-0"].copy, "n0", 100.0)) == []
+    assert s.handle(TaskStarted(subs["long-0"].copy, "n1", 100.0)) == []
+    out = s.handle(TaskFinished(subs["short-0"].copy, {"short-0": 0.3}, 8, "n0", 100.0))
+    (dup,) = submits(out)
+    assert (dup.duplicate, dup.group, dup.node) == (True, subs["long-0"].group, "n0")
+    s.validate_state()
+
+
 def test_no_duplicate_between_ticks_while_a_copy_has_not_said_where_it_runs():
     """A first copy sent but not started may be bound for the CPU just freed: only a
     Tick (Ray's own view of the free CPUs) may then place a duplicate."""

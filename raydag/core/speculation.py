@@ -1170,9 +1170,10 @@ class Speculator:
             self._speculate(out, tick=type(event) is Tick)
         self.steer = None
 
-    def _candidates(self) -> list[tuple[float, int, int, float, float]]:
-        """(-time left, priority, group id, time left, afresh) of the groups worth a
-        duplicate now."""
+    def _candidates(self) -> list[tuple[float, int, int, float, float, bool]]:
+        """(-time left, priority, group id, time left, afresh, late) of the groups worth
+        a duplicate now; not ``late``: insurance of a long task against losing its node
+        (``long``), worth a copy whichever copy ends first."""
         sp, s = self.settings, self.s
         out = []
         for g in s.groups.values():
@@ -1202,7 +1203,7 @@ class Speculator:
             elif not (late or self.long(g.lead, ran)):
                 continue
             # LATE: the longest expected time left first (the copy that would end last)
-            out.append((-left, s.tasks[g.lead].priority, g.id, left, fresh))
+            out.append((-left, s.tasks[g.lead].priority, g.id, left, fresh, late))
         return sorted(out)
 
     def _overdue_unknown(self) -> float:
@@ -1228,7 +1229,7 @@ class Speculator:
             return
         if not tick and any(c.node is None for g in s.groups.values() for c in g.copies.values()):
             return
-        for _, _, gid, left, fresh in self._candidates():
+        for _, _, gid, left, fresh, late in self._candidates():
             if len(self.in_flight) >= sp.max_in_flight:
                 return
             g = s.groups[gid]
@@ -1249,7 +1250,8 @@ class Speculator:
             # a duplicate there must still be expected to finish first: at its pace as
             # measured (a floor from overtaken copies), not weighed (that choice ranks
             # nodes, but a weighed pace is above 1 on every node its runs leave in doubt)
-            if fresh < left < math.inf and self.pace(node) * fresh + sp.min_gain >= left:
+            # (insurance, not late, is made to survive a lost node, not to finish first)
+            if late and fresh < left < math.inf and self.pace(node) * fresh + sp.min_gain >= left:
                 continue
             idle[node] -= cpus
             s.nodes[node].free = idle[node]
