@@ -48,12 +48,9 @@ import _common
 
 TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
 sys.path.insert(0, os.path.abspath(TESTS))
-from simcluster import Cluster, Sim, seed_graph  # noqa: E402
+from simcluster import POLICIES, Cluster, Sim, seed_graph  # noqa: E402
 
 HERE = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-
-POLICIES = ("fusion", "placement", "speculation")
 
 
 def policies(spelled: str) -> dict:

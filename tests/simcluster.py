@@ -58,6 +58,7 @@ from raydag.core.speculation import Speculation
 from raydag.core.state import State
 
 Key = Hashable
+POLICIES = ("fusion", "placement", "speculation")  # what ``Sim``'s ``without`` may name
 WALL0 = 1_700_000_000.0
 MB = 2**20
 
@@ -329,23 +330,15 @@ class Sim:
         for _ in range(cluster.nodes):
             self.slot_node.append(self._join())
         t0 = time.process_time()
-        kw = {}
-        if policies:  # ``without``: the policies left off, to tell what each does
-            off = set(without)
-            unknown = off - {"fusion", "placement", "speculation"}
-            if unknown:
-                raise ValueError(f"no such policy: {sorted(unknown)}")
-            kw = dict(
-                fusion=Fusion(enabled="fusion" not in off),
-                placement=Placement(enabled="placement" not in off),
-                speculation=Speculation(enabled="speculation" not in off),
-            )
-        else:
-            kw = dict(
-                fusion=Fusion(enabled=False),
-                placement=Placement(enabled=False),
-                speculation=Speculation(enabled=False),
-            )
+        # ``without``: the policies left off, to tell what each does
+        off = set(POLICIES) if not policies else set(without)
+        if off - set(POLICIES):
+            raise ValueError(f"no such policy: {sorted(off - set(POLICIES))}")
+        kw = dict(
+            fusion=Fusion(enabled="fusion" not in off),
+            placement=Placement(enabled="placement" not in off),
+            speculation=Speculation(enabled="speculation" not in off),
+        )
         self.state = State(
             graph.dependencies,
             graph.priorities,

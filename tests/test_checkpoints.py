@@ -674,6 +674,42 @@ def test_a_nodes_writes_go_to_its_writer_once_it_is_up_tasks_until_then(ray_clus
             time.sleep(0.1)
 
 
+@pytest.mark.ray_only  # the dask version plays no part: once, in the tests session
+def test_superseded_checkpoints_go_by_a_writer_and_a_finished_compute_leaves_none(
+    ray_cluster, tmp_path
+):
+    import time
+
+    import numpy as np
+    import ray
+    from checkpoint_job import ran
+
+    from raydag.runtime.checkpoints import Checkpointing, CheckpointStore
+
+    store = CheckpointStore(str(tmp_path / "store"))
+    store.open()
+    keys = ["v0", "v1", "v2"]
+    ck = Checkpointing(store, {k: f"name-{k}" for k in keys})
+    node = ray.get_runtime_context().get_node_id()
+    first = ck.write("v0", ray.put(np.zeros(10)), node)
+    deadline = time.monotonic() + 60
+    while ck._writer(node) is None:
+        assert time.monotonic() < deadline, "the writer never came up"
+        time.sleep(0.05)
+    refs = [first, *(ck.write(k, ray.put(np.zeros(10)), node) for k in keys[1:])]
+    assert all(type(ck.ended(r)).__name__ == "CheckpointWritten" for r in refs)
+    ck.discard(["v0", "v1"])
+    assert len(ck.discards) == 1  # by the writer, not on the driver's loop
+    ck.settle()
+    assert set(store.listing()) == {"name-v2"} and not ck.discards
+    ck.close()
+    # a whole compute (min-cost 0: every value written, each superseded by its readers')
+    log = str(tmp_path / "ran.log")
+    expect = _compute(tmp_path / "whole", log)
+    assert len(ran(log)) == 11 and _manifests(tmp_path / "whole") == 0
+    np.testing.assert_array_equal(_compute(tmp_path / "whole", log), expect)
+
+
 def test_a_corrupt_or_partial_checkpoint_is_ignored_with_a_warning(
     ray_cluster, tmp_path, caplog, assert_store_empty
 ):

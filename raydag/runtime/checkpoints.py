@@ -311,6 +311,9 @@ class Writer:
     def write(self, store: CheckpointStore, name: str, meta: dict, value: Any) -> int:
         return store.write(name, value, meta)
 
+    def discard(self, store: CheckpointStore, names: list[str]) -> int:
+        return store.discard(names)
+
     def ready(self) -> bool:
         return True
 
@@ -394,6 +397,8 @@ class Checkpointing:
         self.writers: dict[str, Any] = {}  # node -> its Writer
         self._by: dict[ray.ObjectRef, str] = {}  # a write's ref -> its writer's node
         self._starting: dict[str, ray.ObjectRef] = {}  # node -> its writer's ready()
+        # removals of superseded checkpoints by a writer, in flight: ref -> names
+        self.discards: dict[ray.ObjectRef, list[str]] = {}
 
     def write(self, key: Key, ref: ray.ObjectRef, node: str | None = None) -> ray.ObjectRef:
         """Start writing ``key``'s value, held on ``node`` (None: unknown), beside its
@@ -478,13 +483,34 @@ class Checkpointing:
             ray.wait(refs, num_returns=len(refs), timeout=self.WAIT)
             self.writes.clear()
             self._by.clear()
+        if self.discards:  # a removal its writer did not make (it died) is made here
+            refs = list(self.discards)
+            done = set(ray.wait(refs, num_returns=len(refs), timeout=self.WAIT)[0])
+            for ref, names in self.discards.items():
+                try:
+                    if ref in done and ray.get(ref) is not None:
+                        continue
+                except ray.exceptions.RayError:
+                    pass
+                self._discard_here(names)
+            self.discards.clear()
 
     def discard(self, keys: Iterable[Key]) -> None:
         """Remove written checkpoints that protect nothing any more, mid-compute (their
-        writes have ended: they were reported written)."""
+        writes have ended: they were reported written). By a writer that is up, off the
+        driver's loop (on a remote store each removal is round trips); ``settle`` waits
+        for them, and does itself what a writer could not."""
+        names = [self.names[k] for k in keys]
+        writer = next((w for n, w in self.writers.items() if n not in self._starting), None)
+        if writer is None:
+            self._discard_here(names)
+        else:
+            self.discards[writer.discard.remote(self.store, names)] = names
+
+    def _discard_here(self, names: list[str]) -> None:
         try:
-            self.store.discard([self.names[k] for k in keys])
-        except Exception as e:  # a store that cannot remove: the end's drop tries again
+            self.store.discard(names)
+        except Exception as e:  # a store that cannot remove: a warning, the compute goes on
             logger.warning("raydag: cannot remove checkpoints from %s: %s", self.store.url, e)
 
     def drop(self, keys: Iterable[Key]) -> None:
