@@ -17,10 +17,10 @@ from raydag.core.events import (
     CheckpointFailed,
     CheckpointIgnored,
     CheckpointsOff,
-    CheckpointsSuperseded,
     CheckpointWritten,
     DropCheckpoints,
     Recover,
+    RemoveCheckpoints,
     ResultsLost,
     Submit,
     TaskErred,
@@ -161,6 +161,39 @@ def test_checkpoints_off_by_default_and_capped_by_size():
     assert written == ["a"]
 
 
+def test_a_dearer_value_displaces_the_checkpoints_that_protect_least_per_byte():
+    """The module's worked example: 300 MB of room; two 150-MB loads of 60 s are written.
+    ``h``, an hour on a third load (60 MB), takes the room of one load (0.4 s a MB against
+    its 61); ``x``, 100 s in 300 MB, would need both the other load and ``h`` (3,660 s
+    together): it is not written, and nothing is displaced for it."""
+    mb = 2**20
+    graph = {"l0": set(), "l1": set(), "l2": set(), "x": set(), "h": {"l2"}}
+    graph["m"] = {"l0", "l1", "h", "x"}
+    capped = dataclasses.replace(ON, max_size=300 * mb)
+    s = make(graph, ["m"], checkpoints=capped)
+    subs = {sub.keys[0]: sub for sub in submits(s.start())}
+
+    def done(key, seconds, nbytes):
+        out = s.handle(TaskFinished(subs[key].copy, {key: seconds}, nbytes))
+        s.validate_state()
+        subs.update({sub.keys[0]: sub for sub in submits(out)})
+        return out
+
+    for k in ("l0", "l1"):
+        assert instructions(done(k, 60.0, 150 * mb), Checkpoint) == [Checkpoint(k)]
+        s.handle(CheckpointWritten(k, 150 * mb))
+    assert instructions(done("l2", 30.0, 150 * mb), Checkpoint) == []  # 30 s: not worth it
+    out = done("h", 3600.0, 60 * mb)
+    assert instructions(out, RemoveCheckpoints) == [RemoveCheckpoints(("l0",))]
+    assert instructions(out, Checkpoint) == [Checkpoint("h")]
+    assert s.tasks["l0"].durable is None and s.tasks["l1"].durable == WRITTEN
+    s.handle(CheckpointWritten("h", 60 * mb))
+    out = done("x", 100.0, 300 * mb)
+    assert instructions(out, Checkpoint) == instructions(out, RemoveCheckpoints) == []
+    assert s.tasks["l1"].durable == s.tasks["h"].durable == WRITTEN
+    s.validate_state()
+
+
 @pytest.mark.parametrize("keep", [False, True])
 def test_a_checkpoint_whose_readers_are_all_written_goes_and_frees_its_room(keep):
     """min-cost 0, room for two 8-byte values. Once ``b`` is written, ``a``'s checkpoint
@@ -177,7 +210,7 @@ def test_a_checkpoint_whose_readers_are_all_written_goes_and_frees_its_room(keep
             out = s.handle(CheckpointWritten(k, 8))
             written.append(k)
         s.validate_state()
-        gone = [k for i in instructions(out, CheckpointsSuperseded) for k in i.keys]
+        gone = [k for i in instructions(out, RemoveCheckpoints) for k in i.keys]
         if k == "b":
             assert gone == ([] if keep else ["a"])
     assert written == (["a", "b"] if keep else ["a", "b", "c"])
@@ -802,8 +835,9 @@ def test_a_read_only_store_is_reported_once_and_the_compute_finishes(
 @given(data=st.data())
 def test_random_runs_with_checkpoints_losses_and_bad_reads(data):
     """Random graphs, random finishing order, checkpoints written or failing, values
-    lost, reads back failing; every state valid, every output made, nothing read back
-    that was not written whole."""
+    lost, reads back failing, a size cap (checkpoints superseded and displaced); every
+    state valid, every output made, nothing read back that was not written whole, or
+    that was removed since."""
     n = data.draw(st.integers(2, 14))
     deps = {
         f"k{i}": {f"k{j}" for j in data.draw(st.sets(st.integers(0, i - 1), max_size=3))}
@@ -814,7 +848,11 @@ def test_random_runs_with_checkpoints_losses_and_bad_reads(data):
     dependents = {k for v in deps.values() for k in v}
     outputs = [k for k in deps if k not in dependents]
     found = data.draw(st.sets(st.sampled_from(sorted(deps))))
-    settings_ = dataclasses.replace(ON, min_cost=data.draw(st.sampled_from([0.0, 1.5, 1e9])))
+    settings_ = dataclasses.replace(
+        ON,
+        min_cost=data.draw(st.sampled_from([0.0, 1.5, 1e9])),
+        max_size=data.draw(st.sampled_from([None, 24, 64])),
+    )
     s = make(deps, outputs, checkpoints=settings_, checkpointed=found, capacity=2)
     durable: set = set(found)  # what the store holds whole, as the model knows it
     writing: set = set()
@@ -833,6 +871,11 @@ def test_random_runs_with_checkpoints_losses_and_bad_reads(data):
                 writing.add(i.key)
             elif isinstance(i, Cancel):
                 inflight.pop(i.copy, None)
+            elif isinstance(i, RemoveCheckpoints):
+                assert not {k for sub in inflight.values() for k in sub.restore} & set(i.keys)
+                assert not writing & set(i.keys), (i, writing)
+                durable.difference_update(i.keys)
+                event("checkpoints removed")
         s.validate_state()
 
     apply(s.start())
@@ -864,7 +907,9 @@ def test_random_runs_with_checkpoints_losses_and_bad_reads(data):
             event("a read back failed")
             apply(s.handle(TaskErred(copy, bad, RuntimeError("corrupt"))))
             continue
-        apply(s.handle(TaskFinished(copy, {k: 1.0 for k in sub.keys}, 8)))
+        seconds = data.draw(st.sampled_from([0.5, 1.0, 4.0]))
+        nbytes = data.draw(st.sampled_from([8, 16]))
+        apply(s.handle(TaskFinished(copy, {k: seconds for k in sub.keys}, nbytes)))
     assert s.done and not s.stopped
     assert all(s.tasks[k].state == "memory" for k in outputs)
 

@@ -13,9 +13,9 @@ outlives both (a directory, a shared filesystem, an object store: any fsspec URL
   shared ancestor counted once per path). A checkpointed value's cost is 0: a loss
   below it stops there. ``dask.annotate(checkpoint=True)`` forces a key,
   ``checkpoint=False`` forbids it; ``categories`` forces whole categories. Nothing
-  more is written once ``max_size`` bytes were, or once the store refused a write
-  (``CheckpointsOff``: a read-only or full store is reported once and the compute goes
-  on without); a write lost with its node (the death recovery handles) is no reason to.
+  more is written once the store refused a write (``CheckpointsOff``: a read-only or
+  full store is reported once and the compute goes on without); a write lost with its
+  node (the death recovery handles) is no reason to.
 - **what a dead driver would redo, in sum**: the rule above bounds what the loss of one
   value redoes, but a driver's death loses every value in memory at once. Those not
   written each cost less than ``min_cost``; their sum (the *exposure*: the lineage costs
@@ -39,10 +39,19 @@ outlives both (a directory, a shared filesystem, an object store: any fsspec URL
   A checkpoint that cannot be read back (corrupt, gone) is forgotten
   (``CheckpointIgnored``), the key's lineage restored and recomputed in one wave.
 - **superseded**: once every reader of a checkpointed key is checkpointed too, no
-  lineage walk reaches it: ``CheckpointsSuperseded`` removes it mid-compute (unless
+  lineage walk reaches it: ``RemoveCheckpoints`` removes it mid-compute (unless
   ``keep``) and ``max_size`` counts it no more, so the cap bounds the store's frontier,
   not every byte ever written (at 60k tasks of the founding user's shape the 50-GiB
   default was spent within minutes on early, cheap values, and nothing written after).
+- **displaced**: ``max_size`` caps the bytes the store holds at once. A value worth
+  writing that does not fit takes the room of the checkpoints that protect least per
+  byte (their lineage seconds per byte), if together they protect less than it does:
+  the store then holds more seconds of lineage in the same bytes (the greedy rule of a
+  knapsack, as a cache keeps its dearest entries). Without it the first values worth
+  writing fill the store and the dearest come too late for room: at the founding
+  user's shape, its hour-long tasks wait behind minute-long 150-MB loads. A checkpoint
+  being written, or being read back, is not displaced. A checkpoint's seconds are what
+  losing it would redo: when it supersedes its inputs' checkpoints, theirs add to it.
 - **hygiene**: once the compute is done, ``DropCheckpoints`` (unless ``keep``).
 
 Worked example: ``a -> b -> c`` (output ``c``), ``min_cost=60``; ``a`` runs 50 s,
@@ -51,6 +60,13 @@ Worked example: ``a -> b -> c`` (output ``c``), ``min_cost=60``; ``a`` runs 50 s
 The rerun is told ``checkpointed={"b"}``: ``start()`` cuts ``b`` (it reads nothing),
 ``a`` is not needed and stays released; ``b`` is submitted with ``restore=("b",)``,
 then ``c`` runs. Done: ``DropCheckpoints(("b",))``.
+
+Worked example of displacement: ``max_size`` 300 MB, ``min_cost`` 60; loads ``l0``,
+``l1`` of 150 MB and 60 s each are written (0.4 s a MB). ``h`` (an hour-long task on
+another load, 60 MB) finishes: behind 3,660 s, 61 s a MB, and no room. The cheapest per
+byte, ``l0``, frees 150 MB and protects 60 s < 3,660: ``RemoveCheckpoints(("l0",))``
+and ``Checkpoint("h")``. The store holds 210 MB protecting 3,720 s, not 300 MB
+protecting 120.
 
 Worked example of the exposure: 4 CPUs, ``min_cost=60``; ten inputs of 40 s each
 (``x0`` .. ``x9``, none worth writing by itself) feed one merge. After six are in memory
@@ -73,9 +89,9 @@ from raydag.core.events import (
     CheckpointFailed,
     CheckpointIgnored,
     CheckpointsOff,
-    CheckpointsSuperseded,
     CheckpointWritten,
     DropCheckpoints,
+    RemoveCheckpoints,
 )
 from raydag.core.records import MEMORY, WAITING
 
@@ -164,6 +180,10 @@ class Checkpointer:
         self.exposure = 0.0
         self._heap: list[tuple[float, int, Key]] = []
         self._seq = 0
+        # the checkpoints held, cheapest per byte first: what a dearer value displaces
+        # (lazy, as ``_heap``: entries of keys gone or re-weighed since are skipped)
+        self._held: list[tuple[float, int, Key]] = []
+        self._held_seq: dict[Key, int] = {}  # each key's latest entry
         self.marks = {k: bool(v) for k, v in (marks or {}).items() if k in state.tasks}
         if self.enabled and settings.resume:
             for k in found:
@@ -224,7 +244,8 @@ class Checkpointer:
             if last or ts.state != MEMORY or ts.durable is not None or not self._allowed(ts):
                 continue
             if self._worth(ts):
-                self._write(ts, out)
+                if self._room(ts, out):
+                    self._write(ts, out)
             elif ts.behind > 0:
                 self._expose(ts)
         if not last:
@@ -234,16 +255,62 @@ class Checkpointer:
         return 0.0 if ts.given or ts.durable is not None else ts.behind
 
     def _allowed(self, ts: TaskState) -> bool:
-        """May be written at all (not forbidden, nor over ``max_size``, nor off)."""
-        st = self.settings
-        if self.off or ts.given or ts.restore or self.marks.get(ts.key) is False:
-            return False
-        if st.max_size is None:
+        """May be written at all (not forbidden, nor read back, nor off)."""
+        return not (self.off or ts.given or ts.restore or self.marks.get(ts.key) is False)
+
+    def _protects(self, ts: TaskState) -> float:
+        """The seconds of lineage a checkpoint of ``ts`` spares a loss; forced ones
+        (annotated, or of a forced category) are never displaced."""
+        if self.marks.get(ts.key) or ts.category in self.settings.categories:
+            return float("inf")
+        return ts.behind
+
+    def _density(self, ts: TaskState) -> float:
+        return self._protects(ts) / max(1, ts.nbytes or 0)
+
+    def _room(self, ts: TaskState, out: list[Instruction]) -> bool:
+        """Is there room for ``ts`` under ``max_size``? The room its write frees (the
+        checkpoints it supersedes) counts; what is still missing is taken from the
+        checkpoints that protect least per byte, if together they protect less than
+        ``ts`` would (else ``ts`` is not written)."""
+        cap = self.settings.max_size
+        if cap is None:
             return True
-        needs = self.written_bytes + (ts.nbytes or 0)
-        # the room its write frees (the checkpoints it supersedes) counts: else a full
-        # store of early values would keep every later, dearer one out for good
-        return needs <= st.max_size or needs - self._frees(ts) <= st.max_size
+        missing = self.written_bytes + (ts.nbytes or 0) - cap
+        if missing > 0:
+            missing -= self._frees(ts)
+        if missing <= 0:
+            return True
+        worth, tasks, held = self._protects(ts), self.s.tasks, self._held
+        taken: list[tuple[float, int, Key]] = []
+        aside: list[tuple[float, int, Key]] = []  # being written, or read back: they stay
+        freed, spared = 0, 0.0
+        while freed < missing and held:
+            entry = heapq.heappop(held)
+            k = entry[2]
+            if not self._current(entry):
+                continue
+            t = tasks[k]
+            if t.durable != WRITTEN or t.restore or k in ts.dependencies:
+                aside.append(entry)  # an input's room is counted above, if it frees any
+                continue
+            if spared + self._protects(t) >= worth:
+                aside.append(entry)
+                break
+            taken.append(entry)
+            freed += self._bytes[k]
+            spared += self._protects(t)
+        fits = freed >= missing
+        for entry in aside + ([] if fits else taken):
+            heapq.heappush(held, entry)
+        if not fits:
+            return False
+        gone = tuple(k for _, _, k in taken)
+        for k in gone:
+            tasks[k].durable = None
+            self.written_bytes -= self._bytes.pop(k)
+        out.append(RemoveCheckpoints(gone))
+        return True
 
     def _worth(self, ts: TaskState) -> bool:
         """Worth writing by itself: forced, or its loss would redo ``min_cost``."""
@@ -259,7 +326,21 @@ class Checkpointer:
         ts.durable = WRITING
         self._bytes[ts.key] = ts.nbytes or 0
         self.written_bytes += self._bytes[ts.key]
+        self._hold(ts)
         out.append(Checkpoint(ts.key))
+
+    def _hold(self, ts: TaskState) -> None:
+        held = self._held
+        if len(held) > 2 * len(self._bytes) + 64:  # mostly keys gone since: rebuild
+            held[:] = [e for e in held if self._current(e)]
+            heapq.heapify(held)
+        self._seq += 1
+        self._held_seq[ts.key] = self._seq
+        heapq.heappush(held, (self._density(ts), self._seq, ts.key))
+
+    def _current(self, entry: tuple[float, int, Key]) -> bool:
+        """Not of a key gone since, nor pushed again (re-weighed, written again)."""
+        return entry[2] in self._bytes and self._held_seq.get(entry[2]) == entry[1]
 
     # ---- the exposure: what a driver's death would redo ----------------------------------
 
@@ -299,10 +380,10 @@ class Checkpointer:
             if self.exposed.get(k) != -cost:  # gone since, or pushed again
                 continue
             ts = tasks[k]
-            if self._allowed(ts):
+            if self._allowed(ts) and self._room(ts, out):
                 self._write(ts, out)
             else:
-                self.forget(ts)  # over max_size: no write would take it off the exposure
+                self.forget(ts)  # no room: no write would take it off the exposure
 
     def written(self, ev: CheckpointWritten, out: list[Instruction]) -> None:
         ts = self.s.tasks.get(ev.key)
@@ -337,8 +418,10 @@ class Checkpointer:
         for d in gone:
             self.s.tasks[d].durable = None
             self.written_bytes -= self._bytes.pop(d, 0)
+            ts.behind += self.s.tasks[d].behind  # what losing ts redoes from now on
         if gone:
-            out.append(CheckpointsSuperseded(tuple(gone)))
+            self._hold(ts)  # re-weighed
+            out.append(RemoveCheckpoints(tuple(gone)))
 
     def write_failed(self, ev: CheckpointFailed, out: list[Instruction]) -> None:
         """A write that the store refused turns checkpoints off; one lost with its node
@@ -394,6 +477,7 @@ class Checkpointer:
 
     def validate(self) -> None:
         assert self.written_bytes == sum(self._bytes.values()), self._bytes
+        assert {e[2] for e in self._held if self._current(e)} == set(self._bytes)
         for k in self._bytes:  # what max_size counts: written, or being written
             assert self.s.tasks[k].durable is not None, k
         total = 0.0

@@ -152,9 +152,10 @@ class DropCheckpoints:
 
 
 @dataclass(frozen=True, slots=True)
-class CheckpointsSuperseded:
-    """These keys' checkpoints protect nothing any more (every reader of each is
-    checkpointed: no lineage walk reaches them): remove them now, mid-compute."""
+class RemoveCheckpoints:
+    """Remove these keys' checkpoints now, mid-compute: superseded (every reader of each
+    is checkpointed: no lineage walk reaches them) or displaced (under ``max-size``, by
+    a value whose checkpoint protects more)."""
 
     keys: tuple
 
@@ -184,7 +185,7 @@ Instruction = (
     | Won
     | Checkpoint
     | DropCheckpoints
-    | CheckpointsSuperseded
+    | RemoveCheckpoints
     | CheckpointsOff
     | CheckpointIgnored
 )

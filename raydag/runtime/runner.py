@@ -32,7 +32,6 @@ from raydag.core.events import (
     Checkpoint,
     CheckpointIgnored,
     CheckpointsOff,
-    CheckpointsSuperseded,
     CpusChanged,
     DropCheckpoints,
     Event,
@@ -44,6 +43,7 @@ from raydag.core.events import (
     Ordered,
     Recover,
     Release,
+    RemoveCheckpoints,
     StoresSampled,
     Submit,
     TaskErred,
@@ -466,7 +466,7 @@ class Runner:
                 self._watch(self.checkpoints.write(ins.key, self.values[ins.key], node))  # type: ignore[union-attr]
             elif cls is DropCheckpoints:
                 self.checkpoints.drop(ins.keys)  # type: ignore[union-attr]
-            elif cls is CheckpointsSuperseded:
+            elif cls is RemoveCheckpoints:
                 self.checkpoints.discard(ins.keys)  # type: ignore[union-attr]
             elif cls is CheckpointsOff:
                 logger.warning("raydag: checkpoints off: %s", ins.reason)
