@@ -202,11 +202,12 @@ def _spills() -> bool:
     return False
 
 
-def node_affinity(node: str, soft: bool) -> Any:
+def node_affinity(node: str, soft: bool, spill: bool = True) -> Any:
     """Ray's strategy for running on ``node``: only there (``soft=False``), or there if it
-    can and elsewhere if that node is gone or has no CPU free (``soft``)."""
+    can and elsewhere if that node is gone (``soft``) or, with ``spill``, has no CPU
+    free when Ray schedules it (else it waits for one there)."""
     strategy = _import("ray.util.scheduling_strategies:NodeAffinitySchedulingStrategy")
-    if soft and _spills():
+    if soft and spill and _spills():
         return strategy(node, soft=True, _spill_on_unavailable=True)
     return strategy(node, soft=soft)
 

@@ -81,6 +81,9 @@ def test_node_affinity(soft):
     s = compat.node_affinity("ab" * 28, soft)
     assert isinstance(s, NodeAffinitySchedulingStrategy)
     assert (s.node_id, s.soft, s._spill_on_unavailable) == ("ab" * 28, soft, soft)
+    # soft, not spilled: elsewhere only if the node is gone, else it waits for a CPU there
+    s = compat.node_affinity("ab" * 28, soft, spill=False)
+    assert (s.soft, s._spill_on_unavailable) == (soft, False)
 
 
 def test_raylet_stats(ray_cluster):

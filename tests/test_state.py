@@ -1176,12 +1176,16 @@ class SpecDriver(Driver):
             # where a duplicate had just won), away from a slow node, or at the tail
             # to the free node of least pace
             assert all(
-                i.node is None or i.placed.startswith(("away from slow", "the tail:"))
+                (i.node is None and i.spill)
+                or (i.placed.startswith(("away from slow", "the tail:")) and not i.spill)
                 for i in out
                 if isinstance(i, Submit)
             ), out
             out = [
-                dataclasses.replace(_same_notify(i, sub), node=sub.node, soft=sub.soft) for i in out
+                dataclasses.replace(
+                    _same_notify(i, sub), node=sub.node, soft=sub.soft, spill=sub.spill
+                )
+                for i in out
             ]
             out = [dataclasses.replace(i, placed=sub.placed) for i in out]
             assert len(out) == 1 and isinstance(out[0], Submit), (sub, out)
@@ -1343,6 +1347,7 @@ class PlacementDriver(Driver):
         node = self._expected_node(sub) if self.stores else None
         assert sub.node == node, (sub, node, self.stores)
         assert sub.soft == (node is not None) and bool(sub.placed) == sub.soft, sub
+        assert sub.spill, sub  # placed for its inputs: elsewhere rather than wait
         self.placed += node is not None
 
 
@@ -1393,7 +1398,7 @@ def test_placement_steers_off_a_full_node_and_consumers_go_first():
     stores = {"n0": (900, 1000), "n1": (100, 1000), "n2": (300, 1000)}
     assert s.handle(StoresSampled(stores, {"n0": 1, "n1": 1, "n2": 1})) == []
     (x,) = submits(s.handle(TaskFinished(first[0].copy, {"s": 1.0}, 10, "n2")))
-    assert (x.root, x.node, x.soft) == ("x", "n1", True) and "n0" in x.placed
+    assert (x.root, x.node, x.soft, x.spill) == ("x", "n1", True, True) and "n0" in x.placed
     s.validate_state()
     # n1 counts x's input it fetches and a value of its category's mean size
     assert node_stores(s)["n1"] == (100 + 500 + 255, 1000) and full_nodes(s) == {"n0", "n1"}
@@ -1451,7 +1456,8 @@ def test_duplicate_goes_to_another_idle_node_and_first_result_wins():
     (b,) = submits(out)
     assert b.keys == ("b",)
     # to the winner's node, where a CPU and a worker are free (the loser's is stopped)
-    assert (b.node, b.soft) == ("n2", True) and "duplicate won" in b.placed
+    # and waits for its CPU there, not spilled at once to the one Ray sees free: n0's
+    assert (b.node, b.soft, b.spill) == ("n2", True, False) and "duplicate won" in b.placed
     # the original's late result is not taken
     assert s.handle(TaskFinished(first.copy, {"a": 9.0}, 8, "n0")) == []
     s.validate_state()

@@ -47,9 +47,14 @@ class Submit:
     # A speculative duplicate, to run on ``node`` and nowhere else.
     duplicate: bool = False
     node: str | None = None
-    # ``node`` is a preference (storage-aware placement), not a must: if that node is
-    # gone or busy, Ray runs the task elsewhere. ``placed``: why it was chosen.
+    # ``node`` is a preference, not a must: if that node is gone, Ray runs the task
+    # elsewhere. ``placed``: why it was chosen. ``spill``: if that node has no CPU free
+    # when Ray schedules it, elsewhere at once (storage-aware placement: better there
+    # than waiting); not ``spill``: wait for it (speculation chose it over a slower
+    # node, and its CPU, free by the state's count, is about to be: the last task
+    # spilled at once would go to the one CPU Ray sees free, the slow node's).
     soft: bool = False
+    spill: bool = True
     placed: str = ""
     returns: tuple = ()
     # Keys read back from their checkpoints instead of computed (raydag.core.checkpoints).

@@ -839,15 +839,20 @@ class Speculator:
 
     def away_from_slow(self, group: Group) -> tuple[str | None, str]:
         """While a node is slow, a first copy goes (soft) to the node not slow with the
-        most free CPUs; ``None`` when no node is slow, or no other is known."""
+        most free CPUs; among those with room, one whose worker a forced cancel is
+        stopping (``restarting``) last: the copy waits for its node (not spilled: Ray
+        would send it to the one CPU it sees free, the slow node's), and there it would
+        wait for a new worker process. ``None`` when no node is slow, or no other is
+        known."""
         lead = self.s.tasks[group.lead]
         if self.withheld() <= 0 or not set(lead.resources or ()) <= {"CPU"} or lead.pinned:
             return None, ""
         nodes = [n for n in self.s.nodes.values() if n.alive and not self.slow(n.id)]
         if not nodes:
             return None, ""
-        best = max(nodes, key=lambda n: (n.free, n.id))
-        best.free = max(0.0, best.free - self.s.cpus(group))
+        cpus = self.s.cpus(group)
+        best = max(nodes, key=lambda n: (n.free >= cpus, n.id not in self.restarting, n.free, n.id))
+        best.free = max(0.0, best.free - cpus)
         slow = sorted(m[:12] for m in self.slow_nodes if self.slow(m))
         return best.id, f"away from slow node {', '.join(slow)}"
 
@@ -856,7 +861,10 @@ class Speculator:
         least ``expected_pace``, when the free nodes' paces differ: the compute's last
         task, say, rather than on a node its runs show likely slow but not judged so.
         Never to a node whose worker a forced cancel is stopping (``restarting``): there
-        it would wait for a new worker process, seconds on a loaded machine. Only the
+        it would wait for a new worker process, seconds on a loaded machine; so when the
+        free nodes look alike but some of them are stopping a worker, to one that is not
+        (else Ray may pick a stopping one: 3.2 s of a 6.9-s compute, bench/RESULTS.md,
+        session 19), if it is no slower than they are. Only the
         ``TAIL_NODES`` free nodes of most free CPUs are weighed. ``None`` away from the
         tail, or when the free nodes look alike."""
         s = self.s
@@ -866,21 +874,28 @@ class Speculator:
         if not set(lead.resources or ()) <= {"CPU"} or lead.pinned:
             return None, ""
         cpus = s.cpus(group)
-        free = [
-            n
-            for n in s.nodes.values()
-            if n.alive and n.free >= cpus and not self.slow(n.id) and n.id not in self.restarting
-        ]
-        if len(free) < 2:
+        free, stopping = [], []
+        for n in s.nodes.values():
+            if n.alive and n.free >= cpus and not self.slow(n.id):
+                (stopping if n.id in self.restarting else free).append(n)
+        if not free or len(free) + len(stopping) < 2:
             return None, ""
         if len(free) > self.TAIL_NODES:
             free = heapq.nlargest(self.TAIL_NODES, free, key=lambda n: (n.free, n.id))
         paces = {n.id: self.expected_pace(n.id) for n in free}
         best = min(free, key=lambda n: (paces[n.id], -n.free, n.id))
-        if paces[best.id] >= max(paces.values()) - 1e-9:
+        if paces[best.id] < max(paces.values()) - 1e-9:
+            why = f"the tail: the free node of least pace ({paces[best.id]:.2f})"
+        elif (
+            stopping
+            and paces[best.id] <= min(map(self.expected_pace, (n.id for n in stopping))) + 1e-9
+        ):
+            # as fast as the nodes whose worker is stopping, where Ray might put it
+            why = f"the tail: a free node whose worker is up ({paces[best.id]:.2f})"
+        else:
             return None, ""
         best.free = max(0.0, best.free - cpus)
-        return best.id, f"the tail: the free node of least pace ({paces[best.id]:.2f})"
+        return best.id, why
 
     # ---- what goes first -------------------------------------------------------------
 

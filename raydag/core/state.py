@@ -649,6 +649,7 @@ class State:
         node: str | None = None,
         soft: bool = False,
         placed: str = "",
+        spill: bool = True,
     ) -> Submit:
         root = self.tasks[group.keys[-1]]
         return Submit(
@@ -665,6 +666,7 @@ class State:
             duplicate=copy.duplicate,
             node=node,
             soft=soft,
+            spill=spill,
             placed=placed,
             returns=group.returns,
             restore=tuple(k for k in group.keys if self.tasks[k].restore),
@@ -675,13 +677,17 @@ class State:
         """Start the group's first copy (again, after a retry): the only one running it."""
         copy = self.new_copy(group)
         node, why = self.placer.place(group)
+        spill = True  # placed by storage: elsewhere rather than wait; chosen by pace: wait
         if node is None:
             node, why = self.speculator.steered(group)
-        if node is None:
-            node, why = self.speculator.away_from_slow(group)
-        if node is None:
-            node, why = self.speculator.to_fastest(group)
-        self.out.append(self.submit(group, copy, node=node, soft=node is not None, placed=why))
+            if node is None:
+                node, why = self.speculator.away_from_slow(group)
+            if node is None:
+                node, why = self.speculator.to_fastest(group)
+            spill = node is None
+        self.out.append(
+            self.submit(group, copy, node=node, soft=node is not None, placed=why, spill=spill)
+        )
 
     def _restart(self, group: Group, copy: int) -> None:
         self.drop_copy(group, copy)

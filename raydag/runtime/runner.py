@@ -521,7 +521,8 @@ class Runner:
         if sub.returns:  # several values kept: one Ray object each, and the Outcome
             spec = (spec, len(sub.returns))
         # remote_args: one object per distinct dict for the compute (core.options)
-        cached = (spec, sub.node, sub.soft, id(sub.remote_args) if sub.remote_args else None)
+        args = id(sub.remote_args) if sub.remote_args else None
+        cached = (spec, sub.node, sub.soft, sub.spill, args)
         fn = self._options.get(cached)
         if fn is None:
             opts = ray_options(sub.resources)
@@ -532,8 +533,8 @@ class Runner:
             if sub.node is not None:
                 # A duplicate: on that node and no other (soft=False), never by its
                 # original. A placed task: there if it can, elsewhere if that node is
-                # gone or has no CPU free (soft, spilling).
-                opts["scheduling_strategy"] = node_affinity(sub.node, sub.soft)
+                # gone, or has no CPU free and ``spill`` (soft).
+                opts["scheduling_strategy"] = node_affinity(sub.node, sub.soft, sub.spill)
             opts.update(sub.remote_args or {})  # the user's ray_remote_args, as given
             fn = self._options[cached] = remote_group.options(**opts)
         notify = None
