@@ -628,9 +628,17 @@ def _driver_killed_then_rerun(tmp_path):
     cmd = [sys.executable, "-c", "import checkpoint_job; checkpoint_job.main()"]
     args = [str(store), log, str(tmp_path / "out.npy")]
     driver = subprocess.Popen(cmd + args, env=_job_env(), stderr=subprocess.PIPE)
+    # Killed once half the tasks ran and some checkpoints are in the store. Not "once N
+    # are": a checkpoint whose readers are all checkpointed is removed mid-compute, so
+    # the store holds about the frontier (a few of this graph's), not all written so far.
+    half = len(graph(log)) // 2
     try:
         deadline = time.monotonic() + 120
-        while _manifests(store) < 6 and driver.poll() is None and time.monotonic() < deadline:
+        while (
+            (len(ran(log)) < half or _manifests(store) < 2)
+            and driver.poll() is None
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.05)
         assert driver.poll() is None, driver.stderr.read().decode()[-3000:]
     finally:
@@ -638,7 +646,7 @@ def _driver_killed_then_rerun(tmp_path):
         driver.wait()
     first = ran(log)
     written = _manifests(store)
-    assert written >= 6 and len(first) < len(graph(log))
+    assert written >= 2 and len(first) < len(graph(log))
     os.remove(log)
     rerun = subprocess.run(cmd + args, env=_job_env(), capture_output=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr.decode()[-3000:]
