@@ -154,6 +154,47 @@ class Checkpoints:
         )
 
 
+class LazyHeap:
+    """Keys by priority, least first. A key pushed again replaces its entry; entries of
+    keys discarded or pushed again since are skipped when met, and dropped in a rebuild
+    once they are most of the heap."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Key]] = []
+        self._latest: dict[Key, int] = {}  # each key's current entry
+        self._seq = 0
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._latest
+
+    def keys(self) -> set:
+        return set(self._latest)
+
+    def push(self, key: Key, priority: float) -> None:
+        heap = self._heap
+        if len(heap) > 2 * len(self._latest) + 64:
+            heap[:] = [e for e in heap if self._latest.get(e[2]) == e[1]]
+            heapq.heapify(heap)
+        self._seq += 1
+        self._latest[key] = self._seq
+        heapq.heappush(heap, (priority, self._seq, key))
+
+    def discard(self, key: Key) -> None:
+        self._latest.pop(key, None)
+        if not self._latest:
+            self._heap.clear()
+
+    def pop(self) -> tuple[float, Key] | None:
+        """The least key and its priority, taken out; None when empty."""
+        heap = self._heap
+        while heap:
+            priority, seq, key = heapq.heappop(heap)
+            if self._latest.get(key) == seq:
+                del self._latest[key]
+                return priority, key
+        return None
+
+
 class Checkpointer:
     """The state machine's checkpoint part."""
 
@@ -178,12 +219,10 @@ class Checkpointer:
         # entries of keys gone since are skipped)
         self.exposed: dict[Key, float] = {}
         self.exposure = 0.0
-        self._heap: list[tuple[float, int, Key]] = []
-        self._seq = 0
-        # the checkpoints held, cheapest per byte first: what a dearer value displaces
-        # (lazy, as ``_heap``: entries of keys gone or re-weighed since are skipped)
-        self._held: list[tuple[float, int, Key]] = []
-        self._held_seq: dict[Key, int] = {}  # each key's latest entry
+        self._dearest = LazyHeap()  # the exposed keys, largest lineage cost first
+        # the checkpoints held (``_bytes``), cheapest per byte first: what a dearer
+        # value displaces
+        self._held = LazyHeap()
         self.marks = {k: bool(v) for k, v in (marks or {}).items() if k in state.tasks}
         if self.enabled and settings.resume:
             for k in found:
@@ -282,33 +321,29 @@ class Checkpointer:
         if missing <= 0:
             return True
         worth, tasks, held = self._protects(ts), self.s.tasks, self._held
-        taken: list[tuple[float, int, Key]] = []
-        aside: list[tuple[float, int, Key]] = []  # being written, or read back: they stay
+        taken: list[tuple[float, Key]] = []
+        aside: list[tuple[float, Key]] = []  # being written, or read back: they stay
         freed, spared = 0, 0.0
-        while freed < missing and held:
-            entry = heapq.heappop(held)
-            k = entry[2]
-            if not self._current(entry):
-                continue
-            t = tasks[k]
-            if t.durable != WRITTEN or t.restore or k in ts.dependencies:
+        while freed < missing and (entry := held.pop()) is not None:
+            t = tasks[entry[1]]
+            if t.durable != WRITTEN or t.restore or t.key in ts.dependencies:
                 aside.append(entry)  # an input's room is counted above, if it frees any
                 continue
             if spared + self._protects(t) >= worth:
                 aside.append(entry)
                 break
             taken.append(entry)
-            freed += self._bytes[k]
+            freed += self._bytes[t.key]
             spared += self._protects(t)
         fits = freed >= missing
-        for entry in aside + ([] if fits else taken):
-            heapq.heappush(held, entry)
+        for density, k in aside + ([] if fits else taken):
+            held.push(k, density)
         if not fits:
             return False
-        gone = tuple(k for _, _, k in taken)
+        gone = tuple(k for _, k in taken)
         for k in gone:
             tasks[k].durable = None
-            self.written_bytes -= self._bytes.pop(k)
+            self._unhold(k)
         out.append(RemoveCheckpoints(gone))
         return True
 
@@ -326,21 +361,13 @@ class Checkpointer:
         ts.durable = WRITING
         self._bytes[ts.key] = ts.nbytes or 0
         self.written_bytes += self._bytes[ts.key]
-        self._hold(ts)
+        self._held.push(ts.key, self._density(ts))
         out.append(Checkpoint(ts.key))
 
-    def _hold(self, ts: TaskState) -> None:
-        held = self._held
-        if len(held) > 2 * len(self._bytes) + 64:  # mostly keys gone since: rebuild
-            held[:] = [e for e in held if self._current(e)]
-            heapq.heapify(held)
-        self._seq += 1
-        self._held_seq[ts.key] = self._seq
-        heapq.heappush(held, (self._density(ts), self._seq, ts.key))
-
-    def _current(self, entry: tuple[float, int, Key]) -> bool:
-        """Not of a key gone since, nor pushed again (re-weighed, written again)."""
-        return entry[2] in self._bytes and self._held_seq.get(entry[2]) == entry[1]
+    def _unhold(self, key: Key) -> None:
+        """``key``'s checkpoint takes no room any more (removed, failed, unreadable)."""
+        self.written_bytes -= self._bytes.pop(key, 0)
+        self._held.discard(key)
 
     # ---- the exposure: what a driver's death would redo ----------------------------------
 
@@ -348,12 +375,7 @@ class Checkpointer:
         self.forget(ts)  # made again (a recomputation, a duplicate's win): counted once
         self.exposed[ts.key] = ts.behind
         self.exposure += ts.behind
-        self._seq += 1
-        heap = self._heap
-        if len(heap) > 2 * len(self.exposed) + 64:  # mostly keys gone since: rebuild
-            heap[:] = [e for e in heap if self.exposed.get(e[2]) == -e[0]]
-            heapq.heapify(heap)
-        heapq.heappush(heap, (-ts.behind, self._seq, ts.key))
+        self._dearest.push(ts.key, -ts.behind)
 
     def forget(self, ts: TaskState) -> None:
         """``ts``'s value left memory (released, lost) or is being written: no longer
@@ -361,9 +383,9 @@ class Checkpointer:
         cost = self.exposed.pop(ts.key, None)
         if cost is not None:
             self.exposure -= cost
+            self._dearest.discard(ts.key)
             if not self.exposed:
                 self.exposure = 0.0  # no drift from float sums
-                self._heap.clear()
 
     def budget(self) -> float:
         """The exposure allowed: ``min_cost`` on every CPU of the cluster."""
@@ -374,12 +396,9 @@ class Checkpointer:
         """Write the exposed values with the largest lineage costs until the exposure is
         within the budget."""
         budget = self.budget()
-        heap, tasks = self._heap, self.s.tasks
-        while self.exposure > budget and heap and not self.off:
-            cost, _, k = heapq.heappop(heap)
-            if self.exposed.get(k) != -cost:  # gone since, or pushed again
-                continue
-            ts = tasks[k]
+        tasks = self.s.tasks
+        while self.exposure > budget and not self.off and (top := self._dearest.pop()):
+            ts = tasks[top[1]]
             if self._allowed(ts) and self._room(ts, out):
                 self._write(ts, out)
             else:
@@ -417,10 +436,10 @@ class Checkpointer:
         gone = self._superseded(ts)
         for d in gone:
             self.s.tasks[d].durable = None
-            self.written_bytes -= self._bytes.pop(d, 0)
+            self._unhold(d)
             ts.behind += self.s.tasks[d].behind  # what losing ts redoes from now on
         if gone:
-            self._hold(ts)  # re-weighed
+            self._held.push(ts.key, self._density(ts))  # re-weighed
             out.append(RemoveCheckpoints(tuple(gone)))
 
     def write_failed(self, ev: CheckpointFailed, out: list[Instruction]) -> None:
@@ -430,7 +449,7 @@ class Checkpointer:
         ts = self.s.tasks.get(ev.key)
         if ts is not None and ts.durable == WRITING:
             ts.durable = None
-            self.written_bytes -= self._bytes.pop(ts.key, 0)
+            self._unhold(ts.key)
         if ev.lost:
             return
         if not self.off:
@@ -457,7 +476,7 @@ class Checkpointer:
         reason = f"{type(ev.error).__name__}: {ev.error}"
         reset = self.s.reset_group(group, out)
         ts.durable = None
-        self.written_bytes -= self._bytes.pop(ev.key, 0)  # unreadable: it holds no room
+        self._unhold(ev.key)  # unreadable: it holds no room
         self._uncut(ts)
         out.append(CheckpointIgnored(ev.key, reason))
         self.s.recoverer.rerun([ev.key], reset, f"checkpoint of {ev.key!r} unreadable", out)
@@ -477,7 +496,8 @@ class Checkpointer:
 
     def validate(self) -> None:
         assert self.written_bytes == sum(self._bytes.values()), self._bytes
-        assert {e[2] for e in self._held if self._current(e)} == set(self._bytes)
+        assert self._held.keys() == set(self._bytes), (self._held.keys(), self._bytes)
+        assert self._dearest.keys() == set(self.exposed), (self._dearest.keys(), self.exposed)
         for k in self._bytes:  # what max_size counts: written, or being written
             assert self.s.tasks[k].durable is not None, k
         total = 0.0

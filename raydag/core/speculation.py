@@ -837,6 +837,16 @@ class Speculator:
         )
         return max(0.0, sum(max(n.cpus, 1.0) for n in slow) - running)
 
+    def place(self, group: Group) -> tuple[str | None, str]:
+        """Where a first copy goes for speed (``None``: Ray decides): where a duplicate
+        just won, else away from a slow node, else at the tail to the fastest free one."""
+        node, why = self.steered(group)
+        if node is None:
+            node, why = self.away_from_slow(group)
+        if node is None:
+            node, why = self.to_fastest(group)
+        return node, why
+
     def away_from_slow(self, group: Group) -> tuple[str | None, str]:
         """While a node is slow, a first copy goes (soft) to the node not slow with the
         most free CPUs; among those with room, one whose worker a forced cancel is

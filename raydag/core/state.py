@@ -677,14 +677,10 @@ class State:
         """Start the group's first copy (again, after a retry): the only one running it."""
         copy = self.new_copy(group)
         node, why = self.placer.place(group)
-        spill = True  # placed by storage: elsewhere rather than wait; chosen by pace: wait
+        spill = True  # placed by storage: elsewhere rather than wait
         if node is None:
-            node, why = self.speculator.steered(group)
-            if node is None:
-                node, why = self.speculator.away_from_slow(group)
-            if node is None:
-                node, why = self.speculator.to_fastest(group)
-            spill = node is None
+            node, why = self.speculator.place(group)
+            spill = node is None  # chosen for its pace: wait for it
         self.out.append(
             self.submit(group, copy, node=node, soft=node is not None, placed=why, spill=spill)
         )
