@@ -196,6 +196,11 @@ def main() -> None:
         action="store_true",
         help="family on the state machine and a simulated cluster (no Ray, no overheads)",
     )
+    ap.add_argument(
+        "--record",
+        action="store_true",
+        help="family: keep each raydag run's submits (node, reason) and ends in the JSON",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.issue4:
@@ -377,7 +382,7 @@ def run_ray_dask_get(spec: dict, log: str, timeout: float) -> float | None:
     return None if t.is_alive() else 0.0
 
 
-def family_run(spec: dict, mode: str, timeout: float) -> dict[str, Any]:
+def family_run(spec: dict, mode: str, timeout: float, record: bool = False) -> dict[str, Any]:
     fd, log = tempfile.mkstemp(prefix="rdg-bench-fam-", suffix=".log", dir="/tmp")
     os.close(fd)
     warm()
@@ -400,8 +405,17 @@ def family_run(spec: dict, mode: str, timeout: float) -> dict[str, Any]:
     # every run's start and end, seconds from the first start (for the JSON)
     out["log"] = [(k, lab, n[:8], round(t - first, 3)) for k, lab, n, t in rs]
     if mode != "ray_dask_get":
-        s = raydag.last_run().summary()
+        last = raydag.last_run()
+        s = last.summary()
         out["duplicates"], out["won"] = s["duplicates"], s["duplicates_won"]
+        if record:  # what the scheduler decided: each submit (node, reason) and end
+            ev = last.events
+            ev = ev[ev.event.isin(["submitted", "finished", "cancelled", "failed"])]
+            cols = ["time", "event", "key", "node", "duplicate", "reason"]
+            out["record"] = [
+                [round(r[0], 3), *(None if v is None else str(v) for v in r[1:])]
+                for r in ev[cols].itertuples(index=False)
+            ]
     return out
 
 
@@ -432,7 +446,10 @@ def family(args: argparse.Namespace) -> None:
             bound, how = b.seconds, b.how
             name = scenario_name(nodes, factor, lengths, mix)
             for rep in range(1, args.repeats + 1):
-                got = {m: family_run(spec, m, HANG + 5) for m in ("off", "on", "ray_dask_get")}
+                got = {
+                    m: family_run(spec, m, HANG + 5, args.record)
+                    for m in ("off", "on", "ray_dask_get")
+                }
                 on, off, rdg = got["on"], got["off"], got["ray_dask_get"]
                 rows.append(
                     [

@@ -676,9 +676,12 @@ def _compute(store, log, **settings):
 
 
 @pytest.mark.ray_only  # the dask version plays no part: once, in the tests session
-def test_a_nodes_writes_go_to_its_writer_once_it_is_up_tasks_until_then(ray_cluster, tmp_path):
-    """The first write on a node is a task (its writer is starting); once the writer is
-    up, the node's writes are its calls; each is written whole; closing ends it."""
+def test_a_nodes_writes_all_go_to_its_writer_in_a_process_of_its_own(ray_cluster, tmp_path):
+    """Every write on a known node is a call of the node's writer, the first too (held
+    by Ray while the writer starts); a value of no known node is written by a task; the
+    writer's process is of its own runtime env (never a worker kept for the tasks); each
+    value is written whole; closing ends the writer."""
+    import os
     import time
 
     import numpy as np
@@ -689,29 +692,30 @@ def test_a_nodes_writes_go_to_its_writer_once_it_is_up_tasks_until_then(ray_clus
 
     store = CheckpointStore(str(tmp_path / "store"))
     store.open()
-    keys = [f"v{i}" for i in range(3)]
+    keys = [f"v{i}" for i in range(4)]
     ck = Checkpointing(store, {k: f"name-{k}" for k in keys})
     node = ray.get_runtime_context().get_node_id()
     refs = {k: ray.put(np.full(1000, i)) for i, k in enumerate(keys)}
-    first = ck.write("v0", refs["v0"], node)
-    assert first not in ck._by  # a task: the writer is not up yet
-    deadline = time.monotonic() + 60
-    while ck._writer(node) is None:
-        assert time.monotonic() < deadline, "the writer never came up"
-        time.sleep(0.05)
-    later = [ck.write(k, refs[k], node) for k in keys[1:]]
-    assert all(ck._by.get(w) == node for w in later)  # the writer's calls
-    ended = [ck.ended(w) for w in (first, *later)]
+    calls = [ck.write(k, refs[k], node) for k in keys[:3]]
+    assert all(ck._by.get(w) == node for w in calls)  # the writer's calls, from the first
+    assert list(ck.writers) == [node]
+    task = ck.write("v3", refs["v3"], None)
+    assert task not in ck._by
+    ended = [ck.ended(w) for w in (*calls, task)]
     assert all(isinstance(e, CheckpointWritten) for e in ended), ended
     for i, k in enumerate(keys):
         np.testing.assert_array_equal(store.read(f"name-{k}"), np.full(1000, i))
     writer = ck.writers[node]
+    marker = ray.get(
+        writer.__ray_call__.remote(lambda _: os.environ.get("RAYDAG_CHECKPOINT_WRITER"))
+    )
+    assert marker == "1"
     ck.close()
     assert not ck.writers
     deadline = time.monotonic() + 60
     with pytest.raises(ray.exceptions.RayActorError):  # ended (calls run concurrently)
         while time.monotonic() < deadline:
-            ray.get(writer.ready.remote(), timeout=60)
+            ray.get(writer.__ray_call__.remote(lambda _: None), timeout=60)
             time.sleep(0.1)
 
 

@@ -301,11 +301,17 @@ class Writer:
     Ray ends it again. Writes more than a second apart (one per long task: the case
     checkpoints are for) each paid a worker's start: measured on 2 CPUs with 4-s tasks,
     12 worker processes started for 15 writes against 4 without checkpoints, 14.6 more
-    CPU-seconds, 1.43x the makespan (bench/RESULTS.md, #20). The writer starts once per
-    node and compute, at the node's first write, and is never ended as idle. Until it
-    is up, the node's writes are tasks as before: a writer started with the compute
-    would compete with its first workers (a node starts only a few processes at a
-    time), and one waited for would hold the first checkpoints back by a process start.
+    CPU-seconds, 1.43x the makespan (bench/RESULTS.md, #20).
+
+    The writer starts once per node and compute, at the node's first write, and every
+    write of the node goes to it, even while it starts (Ray holds an actor's calls until
+    it is up: the first checkpoints wait a process start, their values are safe in the
+    object store meanwhile). It runs in a runtime env of its own (``WRITER_ENV``), so it
+    never takes a worker process Ray keeps idle for the compute's tasks. Both measured
+    (#20 (c), 2 CPUs, 2-s tasks, one driver): a writer that took an idle worker, or a
+    write made as a task while the writer started, left the next task waiting 1.1-2 s
+    for a process, in most computes (24.55-26.47 s against 24.48 s without checkpoints);
+    with neither, 24.49-24.52 s.
     """
 
     def write(self, store: CheckpointStore, name: str, meta: dict, value: Any) -> int:
@@ -314,11 +320,11 @@ class Writer:
     def discard(self, store: CheckpointStore, names: list[str]) -> int:
         return store.discard(names)
 
-    def ready(self) -> bool:
-        return True
-
 
 WRITES_AT_ONCE = 2
+# The writer's own runtime env (merged into the job's: the job's modules and env
+# vars stay): a worker process of that env is the writer's alone.
+WRITER_ENV = {"env_vars": {"RAYDAG_CHECKPOINT_WRITER": "1"}}
 
 
 class ReadBack:
@@ -396,7 +402,6 @@ class Checkpointing:
         self.writes: dict[ray.ObjectRef, Key] = {}  # by the write's ref
         self.writers: dict[str, Any] = {}  # node -> its Writer
         self._by: dict[ray.ObjectRef, str] = {}  # a write's ref -> its writer's node
-        self._starting: dict[str, ray.ObjectRef] = {}  # node -> its writer's ready()
         # removals of superseded checkpoints by a writer, in flight: ref -> names
         self.discards: dict[ray.ObjectRef, list[str]] = {}
 
@@ -414,9 +419,10 @@ class Checkpointing:
         return write
 
     def _writer(self, node: str) -> Any:
-        """``node``'s writer once it is up (None until then), started on the node's first
-        write (there only: a write elsewhere would fetch the value over the network)."""
-        if node not in self.writers:
+        """``node``'s writer, started on the node's first write (there only: a write
+        elsewhere would fetch the value over the network)."""
+        writer = self.writers.get(node)
+        if writer is None:
             from raydag.compat import node_affinity
 
             writer = (
@@ -426,17 +432,12 @@ class Checkpointing:
                     max_concurrency=WRITES_AT_ONCE,
                     max_restarts=0,
                     scheduling_strategy=node_affinity(node, soft=False),
+                    runtime_env=WRITER_ENV,
                 )
                 .remote()
             )
             self.writers[node] = writer
-            self._starting[node] = writer.ready.remote()
-        starting = self._starting.get(node)
-        if starting is not None:
-            if not ray.wait([starting], timeout=0)[0]:
-                return None
-            del self._starting[node]  # up (or dead: its first write says so, and it goes)
-        return self.writers[node]
+        return writer
 
     def close(self) -> None:
         """End the writers once their writes in flight are done (the compute is over:
@@ -447,7 +448,6 @@ class Checkpointing:
             end_actor(writer)
         self.writers.clear()
         self._by.clear()
-        self._starting.clear()
 
     def ended(self, ref: ray.ObjectRef) -> Any:
         """The event a finished write means."""
@@ -501,7 +501,7 @@ class Checkpointing:
         driver's loop (on a remote store each removal is round trips); ``settle`` waits
         for them, and does itself what a writer could not."""
         names = [self.names[k] for k in keys]
-        writer = next((w for n, w in self.writers.items() if n not in self._starting), None)
+        writer = next(iter(self.writers.values()), None)
         if writer is None:
             self._discard_here(names)
         else:
