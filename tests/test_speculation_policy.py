@@ -435,6 +435,42 @@ def test_the_last_task_goes_to_a_node_whose_worker_is_up(restarting):
     assert last.placed.startswith("the tail: a free node whose worker is up")
 
 
+SINGLE = [(0.6, "n1"), (0.8, "n2"), (0.7, "n1"), (0.9, "n2"), (0.55, "n1"), (0.75, "n2")]
+
+
+@pytest.mark.parametrize("winner", ["first", "duplicate"])
+def test_after_a_race_the_next_copy_goes_where_a_worker_is_up_and_the_pace_is_least(winner):
+    """f-0 runs on n0 (never judged: it has no finished run) and is duplicated on n1 at
+    the tail. If the duplicate wins, n0 is stopping its worker, and the final task goes
+    to the winner's node, n1, whose worker and CPU are free right now. If the first
+    copy wins after 1.7 s (its category's runs take 0.55-0.9 s: one run weighs n0 about
+    2x), n1 is stopping its worker and n0 is the winner's node, but n2 weighs a pace at
+    least a step less: there (the #17 family's 3n 5x short single, where the final task
+    ran 5x slower on the node whose first copy had beaten its duplicate)."""
+    s = make({"f-0": set(), "total": {"f-0"}}, ["total"], nodes=3)
+    for x, n in SINGLE:
+        s.speculator.learn(s.category("f"), x, n)
+    (sub,) = [i for i in s.start() if isinstance(i, Submit)]
+    s.handle(TaskStarted(sub.copy, "n0", 10.0))
+    (dup,) = s.handle(Tick(11.2, {"n1": 1.0, "n2": 1.0}))
+    assert dup.duplicate and dup.node == "n1"
+    s.handle(TaskStarted(dup.copy, "n1", 11.2))
+    if winner == "first":
+        out = s.handle(TaskFinished(sub.copy, {"f-0": 1.7}, 8, "n0", 10.0))
+    else:
+        out = s.handle(TaskFinished(dup.copy, {"f-0": 0.5}, 8, "n1", 11.2))
+    s.validate_state()
+    (cancel,) = [i for i in out if isinstance(i, Cancel)]
+    assert cancel.copy == (dup.copy if winner == "first" else sub.copy)
+    (last,) = [i for i in out if isinstance(i, Submit)]
+    assert last.keys == ("total",) and last.soft and not last.spill
+    if winner == "first":
+        assert s.speculator.expected_pace("n0") > 1.25 * s.speculator.expected_pace("n2")
+        assert last.node == "n2" and last.placed.startswith("a race just ended")
+    else:
+        assert last.node == "n1" and last.placed.startswith("a race ended there")
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     nodes=st.sampled_from([3, 4, 6]),

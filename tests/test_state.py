@@ -1457,7 +1457,7 @@ def test_duplicate_goes_to_another_idle_node_and_first_result_wins():
     assert b.keys == ("b",)
     # to the winner's node, where a CPU and a worker are free (the loser's is stopped)
     # and waits for its CPU there, not spilled at once to the one Ray sees free: n0's
-    assert (b.node, b.soft, b.spill) == ("n2", True, False) and "duplicate won" in b.placed
+    assert (b.node, b.soft, b.spill) == ("n2", True, False) and "race ended there" in b.placed
     # the original's late result is not taken
     assert s.handle(TaskFinished(first.copy, {"a": 9.0}, 8, "n0")) == []
     s.validate_state()
