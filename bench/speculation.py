@@ -57,6 +57,7 @@ import time
 from typing import Any
 
 import dask
+import pandas as pd
 import ray
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -413,7 +414,7 @@ def family_run(spec: dict, mode: str, timeout: float, record: bool = False) -> d
             ev = ev[ev.event.isin(["submitted", "finished", "cancelled", "failed"])]
             cols = ["time", "event", "key", "node", "duplicate", "reason"]
             out["record"] = [
-                [round(r[0], 3), *(None if v is None else str(v) for v in r[1:])]
+                [round(r[0], 3), *(None if pd.isna(v) else str(v) for v in r[1:])]
                 for r in ev[cols].itertuples(index=False)
             ]
     return out

@@ -884,14 +884,9 @@ class Speculator:
         if not set(lead.resources or ()) <= {"CPU"} or lead.pinned:
             return None, ""
         cpus = s.cpus(group)
-        free, stopping = [], []
-        for n in s.nodes.values():
-            if n.alive and n.free >= cpus and not self.slow(n.id):
-                (stopping if n.id in self.restarting else free).append(n)
+        free, stopping = self._free_nodes(cpus)
         if not free or len(free) + len(stopping) < 2:
             return None, ""
-        if len(free) > self.TAIL_NODES:
-            free = heapq.nlargest(self.TAIL_NODES, free, key=lambda n: (n.free, n.id))
         paces = {n.id: self.expected_pace(n.id) for n in free}
         best = min(free, key=lambda n: (paces[n.id], -n.free, n.id))
         if paces[best.id] < max(paces.values()) - 1e-9:
@@ -1120,21 +1115,21 @@ class Speculator:
             return node, "a race ended there (its losers' workers are stopped)"
         return None, ""
 
-    def _faster_than(self, node: str, cpus: float) -> tuple[NodeState | None, float]:
-        """The free node (``cpus`` free, worker up, not slow) of least expected pace, if
-        that is at least a ``STEP`` less than ``node``'s; of the ``TAIL_NODES`` with most
-        free CPUs."""
-        free = [
-            n
-            for n in self.s.nodes.values()
-            if n.alive
-            and n.free >= cpus
-            and n.id != node
-            and n.id not in self.restarting
-            and not self.slow(n.id)
-        ]
+    def _free_nodes(self, cpus: float, skip: str | None = None) -> tuple[list, list]:
+        """The live nodes not slow (nor ``skip``) with ``cpus`` free: those whose worker
+        is up (the ``TAIL_NODES`` of most free CPUs), and those stopping one."""
+        free, stopping = [], []
+        for n in self.s.nodes.values():
+            if n.alive and n.free >= cpus and n.id != skip and not self.slow(n.id):
+                (stopping if n.id in self.restarting else free).append(n)
         if len(free) > self.TAIL_NODES:
             free = heapq.nlargest(self.TAIL_NODES, free, key=lambda n: (n.free, n.id))
+        return free, stopping
+
+    def _faster_than(self, node: str, cpus: float) -> tuple[NodeState | None, float]:
+        """The free node whose worker is up of least expected pace, if that is at least
+        a ``STEP`` less than ``node``'s."""
+        free, _ = self._free_nodes(cpus, skip=node)
         if not free:
             return None, 0.0
         paces = {n.id: self.expected_pace(n.id) for n in free}
