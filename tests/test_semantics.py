@@ -251,8 +251,11 @@ def test_keyboard_interrupt_and_system_exit_in_a_task_as_dask_raises_them(
 
 def nap_after_marking(marker, seconds):
     """Runs Python code all along: Ray's interrupt lands at once (a single long
-    ``time.sleep`` would not see it until it returns)."""
-    open(marker, "w").close()
+    ``time.sleep`` would not see it until it returns). The marker says what would
+    ignore the interrupt: the process's SIGINT handler, and the thread."""
+    main = threading.current_thread() is threading.main_thread()
+    with open(marker, "w") as f:
+        f.write(f"pid {os.getpid()}, SIGINT {signal.getsignal(signal.SIGINT)!r}, main {main}")
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         time.sleep(0.01)
@@ -277,7 +280,17 @@ def test_ray_cancel_without_force_is_not_taken_for_the_tasks_keyboard_interrupt(
     t0 = time.monotonic()
     cancel([meta_ref], force=False)
     with pytest.raises(ray.exceptions.TaskCancelledError):
-        ray.get(meta_ref, timeout=30)
+        try:
+            ray.get(meta_ref, timeout=30)
+        except ray.exceptions.GetTimeoutError:  # say why: the worker, and the inbox
+            from raydag.runtime.inbox import inbox
+
+            try:
+                ray.get(inbox().drain.remote(-1), timeout=10)
+                box = "the inbox answers"
+            except Exception as e:
+                box = f"the inbox does not answer: {e!r}"
+            pytest.fail(f"not cancelled in 30 s: {marker.read_text()}; {box}")
     with pytest.raises(ray.exceptions.TaskCancelledError):
         ray.get(value_ref, timeout=5)
     assert time.monotonic() - t0 < 20

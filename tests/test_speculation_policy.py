@@ -435,6 +435,31 @@ def test_the_last_task_goes_to_a_node_whose_worker_is_up(restarting):
     assert last.placed.startswith("the tail: a free node whose worker is up")
 
 
+@pytest.mark.parametrize("f1_started", [False, True])
+def test_a_tail_copy_waits_for_its_node_only_if_no_copy_ray_places_is_unstarted(f1_started):
+    """f-0 and f-1 go out with no node (Ray places them); f-0 runs on n2 and ends, and
+    g-0, the tail's task, goes to n2 (n0's runs weigh it slower). While f-1 has not
+    started, the state cannot say it will not take n2's CPU first: g-0 may spill
+    rather than wait there while another node idles (the #17 family, 6n 2x long
+    single: 4.5 s). Once f-1 started (on n1), n2's CPU is sure: g-0 waits for it."""
+    s = make({"f-0": set(), "f-1": set(), "g-0": {"f-0"}}, ["g-0", "f-1"], nodes=3)
+    for x, n in [*OTHERS, (0.71, "n0"), (0.51, "n0")]:
+        s.speculator.learn(s.category("f"), x, n)
+    f0, f1 = [i for i in s.start() if isinstance(i, Submit)]
+    assert f0.node is f1.node is None and s.unplaced == 2
+    s.handle(TaskStarted(f0.copy, "n2", 10.0))
+    if f1_started:
+        s.handle(TaskStarted(f1.copy, "n1", 10.0))
+    s.handle(Tick(10.1, {"n0": 1.0, "n1": 0.0 if f1_started else 1.0}))
+    out = s.handle(TaskFinished(f0.copy, {"f-0": 0.2}, 8, "n2", 10.0))
+    s.validate_state()
+    (g0,) = [i for i in out if isinstance(i, Submit)]
+    assert g0.keys == ("g-0",) and g0.node == "n2" and g0.soft
+    assert g0.placed.startswith("the tail: the free node of least pace")
+    assert g0.spill is not f1_started
+    assert s.unplaced == (0 if f1_started else 2)  # f-1, and g-0 itself when spilled
+
+
 SINGLE = [(0.6, "n1"), (0.8, "n2"), (0.7, "n1"), (0.9, "n2"), (0.55, "n1"), (0.75, "n2")]
 
 

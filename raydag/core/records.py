@@ -186,6 +186,9 @@ class Copy:
     node: str | None = None
     started: float | None = None
     duplicate: bool = False
+    # Ray chooses its node (sent with none, or free to spill): until it starts, the
+    # state cannot say which node's CPU it takes
+    ray_places: bool = False
 
 
 @dataclass

@@ -837,15 +837,22 @@ class Speculator:
         )
         return max(0.0, sum(max(n.cpus, 1.0) for n in slow) - running)
 
-    def place(self, group: Group) -> tuple[str | None, str]:
-        """Where a first copy goes for speed (``None``: Ray decides): where a race just
-        ended, else away from a slow node, else at the tail to the fastest free one."""
+    def place(self, group: Group) -> tuple[str | None, str, bool]:
+        """Where a first copy goes for speed (``None``: Ray decides), why, and whether
+        it waits for that node's CPU: away from a slow node, always (spilled, it would
+        go to the CPU Ray sees free, the slow node's). Where a race just ended, or at
+        the tail to the fastest free node, only while no copy whose node Ray chooses is
+        unstarted (``State.unplaced``): the state counts that node's CPU free, but Ray
+        may start such a copy there first. Then this one would wait while another
+        node idles (the #17 family, 6n 2x long single: a 4.5-s wait, bench/RESULTS.md,
+        session 20), so it may go elsewhere instead."""
         node, why = self.steered(group)
         if node is None:
             node, why = self.away_from_slow(group)
-        if node is None:
+            if node is not None:
+                return node, why, True
             node, why = self.to_fastest(group)
-        return node, why
+        return node, why, node is not None and not self.s.unplaced
 
     def away_from_slow(self, group: Group) -> tuple[str | None, str]:
         """While a node is slow, a first copy goes (soft) to the node not slow with the

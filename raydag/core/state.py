@@ -219,6 +219,7 @@ class State:
         self.ready: list[tuple[int, int, int, Key]] = []
         self.ready_sources: list[tuple[int, int, int, Key]] = []
         self.used = 0.0  # slots taken by the copies in flight
+        self.unplaced = 0  # copies whose node Ray chooses, not started yet (Copy.ray_places)
         self.failed: tuple[Key, Any] | None = None
         self.aborted = False
         self.now = 0.0  # the latest wall clock heard (a Tick, a start)
@@ -402,6 +403,7 @@ class State:
                 self.out.append(Cancel(cid, copy.node if self.is_alive(copy.node) else None))
             del self.copies[cid]
             self.speculator.dropped(cid)
+            self._placed(copy)
         self.used -= group.cost * len(group.copies)
         self._learn(group, ev)
         tasks = self.tasks
@@ -517,6 +519,7 @@ class State:
             return
         copy = group.copies[ev.copy]
         copy.node, copy.started = ev.node, ev.started
+        self._placed(copy)
         self.now = max(self.now, ev.started)
         self.speculator.started(group, copy)
 
@@ -637,7 +640,7 @@ class State:
         return copy
 
     def drop_copy(self, group: Group, copy: int) -> None:
-        del group.copies[copy]
+        self._placed(group.copies.pop(copy))
         del self.copies[copy]
         self.speculator.dropped(copy)
         self.used -= group.cost
@@ -679,8 +682,11 @@ class State:
         node, why = self.placer.place(group)
         spill = True  # placed by storage: elsewhere rather than wait
         if node is None:
-            node, why = self.speculator.place(group)
-            spill = node is None  # chosen for its pace: wait for it
+            node, why, wait = self.speculator.place(group)
+            spill = not wait  # chosen for its pace: wait for it, if sure of its CPU
+        if spill:
+            copy.ray_places = True
+            self.unplaced += 1
         self.out.append(
             self.submit(group, copy, node=node, soft=node is not None, placed=why, spill=spill)
         )
@@ -689,13 +695,20 @@ class State:
         self.drop_copy(group, copy)
         self._first_copy(group)
 
+    def _placed(self, copy: Copy) -> None:
+        """``copy`` started (its node is known) or is gone: Ray placed it, or never will."""
+        if copy.ray_places:
+            copy.ray_places = False
+            self.unplaced -= 1
+
     def reset_group(self, group: Group, out: list[Instruction]) -> tuple:
         """Cancel an in-flight group: its keys wait again. Returns them."""
         del self.groups[group.id]
-        for cid in group.copies:
+        for cid, copy in group.copies.items():
             out.append(Cancel(cid))
             del self.copies[cid]
             self.speculator.dropped(cid)
+            self._placed(copy)
         self.used -= group.cost * len(group.copies)
         for m in group.keys:
             self.transition(self.tasks[m], WAITING)
@@ -725,6 +738,7 @@ class State:
         self.copies.clear()
         self.speculator.stopped()
         self.used = 0.0
+        self.unplaced = 0
         self.ready.clear()
         self.ready_sources.clear()
         for ts in self.tasks.values():
@@ -826,6 +840,9 @@ class State:
         assert grouped == {m for g in self.groups.values() for m in g.members}, grouped
         assert set(self.copies) == {c for g in self.groups.values() for c in g.copies}
         used = sum(g.cost * len(g.copies) for g in self.groups.values())
+        unplaced = [c for g in self.groups.values() for c in g.copies.values() if c.ray_places]
+        assert self.unplaced == len(unplaced), (self.unplaced, unplaced)
+        assert all(c.started is None for c in unplaced), unplaced
         assert abs(self.used - used) < 1e-9, (self.used, used)
         for g in self.groups.values():
             assert g.copies, g
