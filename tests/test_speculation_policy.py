@@ -272,6 +272,17 @@ def test_a_copy_overtaken_less_than_slow_node_times_sets_its_pace_only():
     assert sp.pace("n0") == pytest.approx(5.5 / 2.25) and sp.pace("n1") == 1.0
 
 
+@pytest.mark.parametrize("scale", [0.01, 1.0])
+def test_runs_too_short_for_slowness_to_cost_min_gain_do_not_judge_a_node(scale):
+    """n0's runs are 3.5-4x the others' (more than slow-node): at 0.2 s a piece that is
+    slowness worth a minute's block; at 2 ms (a process starting beside the task on the
+    node's one CPU, the timer) being 3x slower cost under min-gain: no evidence."""
+    others = [(0.2 * scale, "n1"), (0.21 * scale, "n2"), (0.19 * scale, "n1"), (0.2 * scale, "n2")]
+    s = _learned([*others, (0.7 * scale, "n0"), (0.8 * scale, "n0"), (0.75 * scale, "n0")])
+    assert s.speculator.slow("n0") is (scale == 1.0)
+    assert not s.speculator.slow("n1") and not s.speculator.slow("n2")
+
+
 # ---- random clusters --------------------------------------------------------------
 
 
