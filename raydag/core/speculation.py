@@ -466,15 +466,16 @@ class Speculator:
             return False
         sp = self.settings
         slow = sp.slow_node
-        runs = self._evidence(node)
-        ranks = self._ranks(node, slow, runs)  # type: ignore[arg-type]
+        ranks = self._ranks(node, slow)  # type: ignore[arg-type]
         # a run is slow only if being slow_node times slower cost it min_gain: a run
         # of milliseconds says more about the timer, or a process starting beside it
         # on the node's one CPU, than about the node (a judgement withholds the node
-        # for block_slow_node: #20's skim, 1.2-1.8x its makespan). It still counts
+        # for block_slow_node: #20's skim, 1.18-1.75x its makespan). It still counts
         # among the node's runs (the third below).
-        costly = [r for r in runs if r[1] * (1 - 1 / slow) >= sp.min_gain]  # type: ignore[operator]
-        slow_runs = sum(u >= self.SLOW_RANK for u in self._ranks(node, slow, costly))  # type: ignore[arg-type]
+        slow_runs = sum(
+            u >= self.SLOW_RANK and x * (1 - 1 / slow) >= sp.min_gain  # type: ignore[operator]
+            for u, x in ranks
+        )
         # one copy overtaken on the same task, slow_node times over, is enough: the
         # same inputs leave no doubt a longer task could explain
         paired = max(self.overtaken.get(node, ()), default=0.0) >= sp.slow_node  # type: ignore[operator]
@@ -502,15 +503,18 @@ class Speculator:
                 out.append((self.s.tasks[g.lead].category, self.s.now - started, False))
         return out
 
-    def _ranks(self, node: str, factor: float, runs: list | None = None) -> list[float]:
-        """``u = F(x / factor)`` of each of ``node``'s runs against the other nodes'."""
+    def _ranks(
+        self, node: str, factor: float, runs: list | None = None
+    ) -> list[tuple[float, float]]:
+        """``(u, x)``: ``u = F(x / factor)`` of each of ``node``'s runs ``x`` against the
+        other nodes'."""
         ranks = []
         for name, x, done in self._evidence(node) if runs is None else runs:
             u = self._rank_against_others(name, node, x / factor)
             if u is None:
                 continue
             if done or u >= 0.5:  # a run not finished lasted at least this: evidence of slow
-                ranks.append(u)
+                ranks.append((u, x))
         return ranks
 
     def _rank_against_others(self, name: str, node: str, x: float) -> float | None:
@@ -562,7 +566,7 @@ class Speculator:
             for _ in range(40):  # the mean rank falls as the factor grows
                 mid = (lo + hi) / 2
                 ranks = self._ranks(node, math.exp(mid), runs)
-                if ranks and sum(ranks) >= len(ranks) / 2:
+                if ranks and sum(u for u, _ in ranks) >= len(ranks) / 2:
                     lo = mid
                 else:
                     hi = mid
