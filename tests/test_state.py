@@ -95,9 +95,12 @@ def dependents_of(dependencies: dict) -> dict:
 
 
 def _same_notify(ins: object, sub: Submit) -> object:
-    """``ins`` with ``sub``'s ``notify``: whether a resubmitted group reports its start
-    follows what is known of its category by then, not what was known before."""
-    return dataclasses.replace(ins, notify=sub.notify) if isinstance(ins, Submit) else ins
+    """``ins`` with ``sub``'s ``notify`` and ``notify_after``: whether and when a
+    resubmitted group reports its start follows what is known of its category by then,
+    not what was known before."""
+    if not isinstance(ins, Submit):
+        return ins
+    return dataclasses.replace(ins, notify=sub.notify, notify_after=sub.notify_after)
 
 
 @dataclasses.dataclass
@@ -1443,6 +1446,7 @@ def test_duplicate_goes_to_another_idle_node_and_first_result_wins():
     (dup,) = submits(s.handle(Tick(102.5, {"n0": 1, "n1": 1, "n2": 2})))
     assert (dup.duplicate, dup.group, dup.node, dup.keys) == (True, first.group, "n2", first.keys)
     assert dup.copy != first.copy
+    assert (dup.notify, dup.notify_after) == (True, 0.0)  # its start matters at once
     assert s.used == 2
     s.validate_state()
     assert s.handle(Tick(103.0, {"n1": 1})) == []  # max-copies: one duplicate per task
@@ -1692,6 +1696,33 @@ def test_speculation_off_makes_no_duplicates():
     assert first.notify  # where it runs still matters when a node dies
     s.handle(TaskStarted(first.copy, "n0", 0.0))
     assert s.handle(Tick(1e6, {"n1": 4})) == []
+
+
+def test_a_copy_reports_its_start_at_once_if_long_later_if_unmeasured_never_if_cheap():
+    """A start note costs the worker an actor call: sent at once where it is known to
+    matter (a long category; a duplicate: see the next test), after fusion's max-task-duration where the
+    category is unmeasured (a copy ending sooner has shown itself cheap), never for a
+    measured-cheap one."""
+    deps = {f"{c}-{i}": set() for c in ("long", "cheap") for i in range(2)}
+    deps["end"] = set(deps)
+    sp = Speculation(enabled=True, quantile=None, long_task=1.0, min_runtime=0.5, slow_node=None)
+    s = make(deps, ["end"], capacity=1, category=lambda k: k.split("-")[0], speculation=sp)
+    limit = s.fuser.settings.max_task_duration
+    ran = {"long": 5.0, "cheap": limit / 10, "end": limit / 10}
+    expect = {"long": (True, 0.0), "cheap": (False, 0.0)}
+    (sub,) = submits(s.start())
+    measured: set = set()
+    while True:
+        cat = sub.root.split("-")[0]
+        want = expect[cat] if cat in measured else (True, limit)
+        assert (sub.notify, sub.notify_after) == want, (sub, measured)
+        if sub.root == "end":
+            break
+        measured.add(cat)
+        out = s.handle(TaskFinished(sub.copy, {sub.root: ran[cat]}, 10, "n0"))
+        (sub,) = submits(out)
+    assert measured == {"long", "cheap"}
+    s.validate_state()
 
 
 def make(dependencies: dict, outputs, **kwargs) -> State:

@@ -42,8 +42,11 @@ class Submit:
     resources: Mapping[str, float] | None
     attempt: int = 0
     # Report the start (``TaskStarted``): where a copy runs decides what a death loses
-    # (a running reader holds its inputs) and where a duplicate may go.
+    # (a running reader holds its inputs) and where a duplicate may go. ``notify_after``:
+    # only once the copy has run that long (one that ends sooner reports its start with
+    # its end, ``TaskFinished``).
     notify: bool = False
+    notify_after: float = 0.0
     # A speculative duplicate, to run on ``node`` and nowhere else.
     duplicate: bool = False
     node: str | None = None

@@ -655,6 +655,7 @@ class State:
         spill: bool = True,
     ) -> Submit:
         root = self.tasks[group.keys[-1]]
+        notify, after = self._start_report(group, copy)
         return Submit(
             copy.id,
             group.id,
@@ -663,9 +664,8 @@ class State:
             root.priority,
             root.resources,
             group.attempt,
-            # Where and since when a copy runs: for duplicates, and because a running
-            # copy holds its inputs when a node that made them dies (recovery).
-            notify=copy.duplicate or not all(self.fuser.cheap(k) for k in group.keys),
+            notify=notify,
+            notify_after=after,
             duplicate=copy.duplicate,
             node=node,
             soft=soft,
@@ -675,6 +675,26 @@ class State:
             restore=tuple(k for k in group.keys if self.tasks[k].restore),
             remote_args=root.remote_args,
         )
+
+    def _start_report(self, group: Group, copy: Copy) -> tuple[bool, float]:
+        """Whether a copy reports its start before its end, and after how long running.
+
+        Where and since when a copy runs matter for duplicates, and because a running
+        copy holds its inputs when a node that made them dies (recovery). A group of
+        cheap tasks (each category measured under fusion's ``max_task_duration``) ends
+        before either could use it: no report. A group with a task not measured yet
+        reports once it has run that long: one that ends sooner has shown itself
+        cheap, and the report (an actor call from the worker) would have cost it for
+        nothing: a tenth of a one-task compute's latency. A duplicate, or a group
+        with a task known to be long, reports as it starts.
+        """
+        limit = self.fuser.settings.max_task_duration
+        means = [self.estimate(k) for k in group.keys]
+        if copy.duplicate or any(m is not None and m >= limit for m in means):
+            return True, 0.0
+        if all(m is not None for m in means):
+            return False, 0.0
+        return True, limit
 
     def _first_copy(self, group: Group) -> None:
         """Start the group's first copy (again, after a retry): the only one running it."""

@@ -24,7 +24,9 @@ class Inbox:
     dashboard), yet a duplicate must avoid the original's node, a task's runtime
     counts from its real start, not from its submission (it may wait for a worker
     process), and a running task holds its inputs when the node that made them dies.
-    The task's one-way call costs it about a millisecond. The driver keeps one
+    The one-way call costs the worker about half a millisecond: it goes from a thread
+    of the worker, and for a task not measured yet only once it has run
+    ``Submit.notify_after`` (``raydag.runtime.worker``). The driver keeps one
     ``drain`` in flight, among the refs it waits on: it returns as soon as a note
     arrives (or after ``hold`` seconds), so a start is heard at once, not at the
     next poll.

@@ -121,6 +121,7 @@ class Runner:
         self.run_id = next(_runs)
         self._inbox: Any = None
         self._drain: ray.ObjectRef | None = None
+        self._notes_after = 0.0  # the longest a start note waits in its worker
         # Refs whose Ray task ended, as Ray's callbacks say (``_watch``): the loop waits
         # on this queue, not on every ref in flight, so a loop costs what ended in it.
         self._ended: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -255,6 +256,9 @@ class Runner:
         changed = nodes != self.alive
         self.alive = nodes
         if dead:
+            # every note of a copy started before now is sent by then (its thread's
+            # wake-up and send take well under the wait again)
+            time.sleep(2 * self._notes_after)
             self._take_notes(wait=2.0)
             self._report_finished()
         for node in dead:
@@ -541,7 +545,8 @@ class Runner:
         if sub.notify:
             if self._inbox is None:
                 self._inbox = inbox()
-            notify = (self._inbox, self.run_id, sub.copy)
+            notify = (self._inbox, self.run_id, sub.copy, sub.notify_after)
+            self._notes_after = max(self._notes_after, sub.notify_after)
         nodes = [self.graph.tasks[k] for k in sub.keys]
         if sub.restore:  # read back from their checkpoints, not computed
             nodes = [

@@ -14,9 +14,12 @@ with a ``KeyboardInterrupt``, which is passed on to Ray (a ``TaskCancelledError`
 
 from __future__ import annotations
 
+import functools
 import io
+import logging
 import os
 import pickle
+import queue
 import threading
 import time
 import types
@@ -30,6 +33,8 @@ import ray.cloudpickle
 from dask.sizeof import sizeof
 
 from raydag.compat import DataNode, Task, TaskRef
+
+logger = logging.getLogger("raydag.runtime")
 
 
 @dataclass
@@ -61,7 +66,8 @@ def run_group(
 
     ``returns``: the keys whose values to keep, each its own Ray object (a shuffle's
     pieces: the Ray task has ``len(returns) + 1`` returns); empty: the last key's.
-    ``notify``: ``(inbox, run, tag)`` to say where and when it started (see ``_Inbox``).
+    ``notify``: ``(inbox, run, tag, after)`` to say where and when it started, once it
+    has run ``after`` seconds (see ``Inbox``, ``_StartNotes``).
     ``hooks``: ``(pretask, posttask)`` pairs of Ray's ``RayDaskCallback``s, called
     around each dask task (``raydag.runtime.ray_hooks``); an error in one is the task's.
     ``resolve``: the tasks may hold ObjectRefs that dask inlined as data (the values of a
@@ -108,9 +114,20 @@ def _run_caught(
     nodes: list, input_keys: tuple, notify: Any, inputs: tuple, hooks: tuple
 ) -> tuple[dict, Outcome]:
     started = time.time()
+    ended = None
     if notify is not None:
-        inbox, run, tag = notify
-        inbox.started.remote(run, tag, ray.get_runtime_context().get_node_id(), started)
+        inbox, run, tag, after = notify
+        ended = _start_notes().send(after, inbox, (run, tag, _node_id(), started))
+    try:
+        return _run_from(nodes, input_keys, inputs, hooks, started)
+    finally:
+        if ended is not None:
+            ended.set()
+
+
+def _run_from(
+    nodes: list, input_keys: tuple, inputs: tuple, hooks: tuple, started: float
+) -> tuple[dict, Outcome]:
     values = dict(zip(input_keys, inputs, strict=True))
     durations = []
     node = None
@@ -133,8 +150,46 @@ def _run_caught(
         if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: from where?
             _note(e, f"raised by the task {key!r} (in a Ray worker)")
         return values, Outcome(durations, error=pack_exception(e), error_key=key)
-    ctx = ray.get_runtime_context()
-    return values, Outcome(durations, 0, ctx.get_node_id(), os.getpid(), started)
+    return values, Outcome(durations, 0, _node_id(), os.getpid(), started)
+
+
+class _StartNotes:
+    """A worker process's start notes, sent by a thread of their own.
+
+    ``send(after, ...)`` sends the note once the task has run ``after`` seconds, if it
+    still runs (``Submit.notify_after``); setting the returned event says it ended. The
+    worker runs one task at a time, so the thread waits on one note at a time.
+    """
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._sending, name="raydag-start-notes", daemon=True).start()
+
+    def send(self, after: float, inbox: Any, note: tuple) -> threading.Event:
+        ended = threading.Event()
+        self.queue.put((time.monotonic() + after, ended, inbox, note))
+        return ended
+
+    def _sending(self) -> None:
+        while True:
+            due, ended, inbox, note = self.queue.get()
+            if not ended.wait(due - time.monotonic()):
+                try:
+                    inbox.started.remote(*note)
+                except Exception as e:  # the next notes still go
+                    logger.warning("raydag: could not send a start note: %r", e)
+
+
+@functools.cache
+def _start_notes() -> _StartNotes:
+    """This worker process's, made by its first note."""
+    return _StartNotes()
+
+
+@functools.cache
+def _node_id() -> str:
+    """This worker process's node: it never changes."""
+    return ray.get_runtime_context().get_node_id()
 
 
 def resolve_inlined_refs(x: Any) -> Any:
