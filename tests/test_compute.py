@@ -814,3 +814,23 @@ def test_a_large_graph_starts_on_a_provisional_order_then_takes_dask_order(monke
     with dask.config.set({"raydag.scheduling.order-later-above": None}):
         assert dask.compute(total, scheduler=raydag.ray_get) == (sum(range(1, 301)),)
     assert ordered == [301]  # ordered first, as always: no thread
+
+
+def test_a_start_note_comes_only_from_a_task_still_running_after_its_delay():
+    """A task not measured yet says where it started once it has run ``notify_after``
+    (a note from every task cost a one-task compute an actor call); one that ends
+    sooner says nothing; one asked at once (a known-long task, a duplicate) at once."""
+    from raydag.runtime.inbox import inbox
+    from raydag.runtime.worker import remote_group
+
+    box, run = inbox(), -23  # a run id no compute uses
+    for tag, seconds, after in (("short", 0.0, 0.5), ("long", 1.0, 0.2), ("at once", 0.0, 0.0)):
+        _, meta = remote_group.remote([Task(tag, time.sleep, seconds)], (), (box, run, tag, after))
+        ray.get(meta)
+    notes: list = []
+    deadline = time.monotonic() + 10
+    while len(notes) < 2 and time.monotonic() < deadline:
+        notes += ray.get(box.drain.remote(run, 1.0))
+    notes += ray.get(box.drain.remote(run, 1.0))  # and nothing more comes
+    assert sorted(tag for _, tag, _, _ in notes) == ["at once", "long"]
+    assert {node for _, _, node, _ in notes} <= {n["NodeID"] for n in ray.nodes()}

@@ -117,7 +117,11 @@ def _run_caught(
     ended = None
     if notify is not None:
         inbox, run, tag, after = notify
-        ended = _start_notes().send(after, inbox, (run, tag, _node_id(), started))
+        note = (run, tag, _node_id(), started)
+        if after > 0:
+            ended = _start_notes().send(after, inbox, note)
+        else:  # at once, before the task may hold the interpreter for its whole run
+            inbox.started.remote(*note)
     try:
         return _run_from(nodes, input_keys, inputs, hooks, started)
     finally:
@@ -158,7 +162,9 @@ class _StartNotes:
 
     ``send(after, ...)`` sends the note once the task has run ``after`` seconds, if it
     still runs (``Submit.notify_after``); setting the returned event says it ended. The
-    worker runs one task at a time, so the thread waits on one note at a time.
+    worker runs one task at a time, so the thread waits on one note at a time. (A task
+    that holds the interpreter in one long call of C code delays its note: the wait is
+    for tasks not measured yet, whose first runs show which categories are long.)
     """
 
     def __init__(self) -> None:
