@@ -147,23 +147,21 @@ def deaths_cost(log: str, deaths: list, nodes: int) -> float:
     return lost / nodes
 
 
-def kills_of_long_results(fractions: tuple[float, ...], total: int) -> Any:
-    """The two-kill schedule aimed where checkpoints matter (``--aim long``): at each
-    fraction of the tasks done, as soon as a node holds finished long work still
-    needed (the ``hist`` of a long read, its subgraph's merge not started), the node
-    holding the most: the founding user's worst case, an hour-long result lost while
-    it waits for its merge. After ``AIM_WAIT`` s with none held, the busiest node."""
-    import recovery
-    from chaos import busiest, completions, runs, wait_until
+def holding_long_results(c: Any, log: str, bg: Any) -> str | None:
+    """The kills' target with ``--aim long``: as soon as a node holds finished long work
+    still needed (the ``hist`` of a long read, its subgraph's merge not started), the
+    node holding the most: the founding user's worst case, an hour-long result lost
+    while it waits for its merge. After ``AIM_WAIT`` s with none held, the busiest."""
+    from chaos import busiest, runs
 
     waits_for = {f"hist-{g}-{i}": f"merge-{g}" for g in range(SUBGRAPHS) for i in range(LONG_READS)}
-
-    def held(c: Any, log: str) -> Counter:
+    deadline = time.monotonic() + AIM_WAIT
+    while time.monotonic() < deadline:
         last: dict = {}  # label -> its latest run (a recomputed value is where it was made last)
         for r in runs(log):
             last[r.label] = r
         alive = {n.node_id for n in c.alive}
-        return Counter(
+        held = Counter(
             r.node
             for label, r in last.items()
             if label in waits_for
@@ -171,26 +169,17 @@ def kills_of_long_results(fractions: tuple[float, ...], total: int) -> Any:
             and waits_for[label] not in last
             and r.node in alive
         )
-
-    def chaos(c: Any, log: str, bg: Any, deaths: list) -> None:
-        for f in fractions:
-            want = int(f * total)
-            wait_until(lambda w=want: sum(completions(log).values()) >= w, f"{want} done", bg, 240)
-            deadline = time.monotonic() + AIM_WAIT
-            while not (holding := held(c, log)) and time.monotonic() < deadline:
-                if bg.done.wait(0.05):
-                    return
-            node = holding.most_common(1)[0][0] if holding else busiest(c, log, lambda k: True)
-            deaths.append(recovery.kill_one(c, node))
-            recovery.replace_later(c)
-
-    return chaos
+        if held:
+            return held.most_common(1)[0][0]
+        if bg.done.wait(0.05):
+            return None
+    return busiest(c, log, lambda k: True)
 
 
 def two_kills(repeat: int, aim: str = "busiest") -> dict:
     """(b): makespans and re-executions, checkpoints off and on, failure-free and under
     the two-kill schedule (``aim``: the busiest node, or the node holding long
-    results, ``kills_of_long_results``), interleaved on one cluster."""
+    results, ``holding_long_results``), interleaved on one cluster."""
     import logging
 
     import recovery
@@ -225,8 +214,9 @@ def two_kills(repeat: int, aim: str = "busiest") -> dict:
         for i in range(repeat):
             for mode in modes:
                 for label in ("free", "two kills"):
-                    schedule = recovery.kills_at if aim == "busiest" else kills_of_long_results
-                    chaos = schedule((0.5, 0.8), len(spec)) if label != "free" else None
+                    choose = holding_long_results if aim == "long" else None
+                    kills = recovery.kills_at((0.5, 0.8), len(spec), choose)
+                    chaos = kills if label != "free" else None
                     conf: dict = {"raydag.checkpoint.enabled": False}
                     if mode == "on":  # a store of its own per run: nothing to resume from
                         store = os.path.join(work, f"store-{i}-{label}")

@@ -368,12 +368,22 @@ def replace_later(c: MultiNodeCluster) -> None:
     threading.Thread(target=add, daemon=True).start()
 
 
-def kills_at(fractions: tuple[float, ...], total: int) -> Chaos:
+def kills_at(
+    fractions: tuple[float, ...],
+    total: int,
+    choose: Callable[[MultiNodeCluster, str, Background], str | None] | None = None,
+) -> Chaos:
+    """A node killed (and replaced) at each fraction of the ``total`` tasks done: the
+    busiest, or the one ``choose(cluster, log, bg)`` names (None: the compute ended)."""
+
     def chaos(c: MultiNodeCluster, log: str, bg: Background, deaths: list) -> None:
         for f in fractions:
             want = int(f * total)
             wait_until(lambda w=want: sum(completions(log).values()) >= w, f"{want} done", bg, 240)
-            deaths.append(kill_one(c, busiest(c, log, lambda k: True)))
+            node = choose(c, log, bg) if choose else busiest(c, log, lambda k: True)
+            if node is None:
+                return
+            deaths.append(kill_one(c, node))
             replace_later(c)
 
     return chaos
