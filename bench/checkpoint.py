@@ -170,9 +170,12 @@ def holding_long_results(c: Any, log: str, bg: Any) -> str | None:
             and r.node in alive
         )
         if held:
-            return held.most_common(1)[0][0]
+            node, n = held.most_common(1)[0]
+            print(f"    kill: {node[:8]}, holding {n} long result(s)", flush=True)
+            return node
         if bg.done.wait(0.05):
             return None
+    print(f"    kill: no long result held in {AIM_WAIT:g} s, the busiest node", flush=True)
     return busiest(c, log, lambda k: True)
 
 
