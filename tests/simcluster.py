@@ -508,7 +508,7 @@ class Sim:
         )
         self.restored += len(sub.restore)
         self._push(end, "finish", sub.copy)
-        if sub.notify:
+        if sub.notify and end - self.t > sub.notify_after:  # as the worker: not if ended
             self.inbox.append(TaskStarted(sub.copy, self.node_ids[node], WALL0 + self.t))
 
     def _push(self, t: float, kind: str, payload) -> None:

@@ -1700,9 +1700,9 @@ def test_speculation_off_makes_no_duplicates():
 
 def test_a_copy_reports_its_start_at_once_if_long_later_if_unmeasured_never_if_cheap():
     """A start note costs the worker an actor call: sent at once where it is known to
-    matter (a long category; a duplicate: see the next test), after fusion's max-task-duration where the
-    category is unmeasured (a copy ending sooner has shown itself cheap), never for a
-    measured-cheap one."""
+    matter (a long category; a duplicate: test_duplicate_goes_to_another_idle_node_...),
+    after fusion's max-task-duration where the category is unmeasured (a copy ending
+    sooner has shown itself cheap), never for a measured-cheap one."""
     deps = {f"{c}-{i}": set() for c in ("long", "cheap") for i in range(2)}
     deps["end"] = set(deps)
     sp = Speculation(enabled=True, quantile=None, long_task=1.0, min_runtime=0.5, slow_node=None)
