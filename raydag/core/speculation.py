@@ -1011,18 +1011,20 @@ class Speculator:
         return got
 
     def time_left(self, group: Group) -> tuple[float, float] | None:
-        """(expected seconds left of its soonest copy, of a fresh copy on a node not slow);
-        ``None``: no estimate (no nominal runs of its category)."""
+        """(expected seconds left of its soonest started copy, of a fresh copy on a node
+        not slow); ``None``: no estimate (no nominal runs of its category, or no copy
+        started). A copy sent but not started is not weighed: had it been, a group whose
+        duplicate was just sent looked unknown, and past ``min-runtime`` (0 s, say) got
+        another duplicate at once, beyond ``max-copies``."""
         sp, s = self.settings, self.s
         nominal = self._nominal(s.tasks[group.lead].category)
-        if not nominal:
+        started = [c for c in group.copies.values() if c.started is not None]
+        if not nominal or not started:
             return None
         q = sp.quantile if sp.quantile is not None else self.HIGH
         high = nominal[min(len(nominal) - 1, max(0, math.ceil(q * len(nominal)) - 1))]
         best = (math.inf, 0.0)
-        for c in group.copies.values():
-            if c.started is None:
-                return None
+        for c in started:
             ran = s.now - c.started
             longest = nominal[-1] + sp.min_gain if len(nominal) >= sp.min_samples else math.inf
             post = None if self.slow(c.node) else self.posterior(c.node)
