@@ -766,6 +766,26 @@ def test_back_to_back_computes_reuse_the_last_read_of_the_cluster():
     assert cluster._last_read[0] > when  # max_age 0: always read
 
 
+def test_a_compute_starts_on_an_old_read_and_reads_again_while_its_tasks_run(caplog):
+    """A compute starts on the session's last read of the nodes, however old; the driver
+    loop reads them again right after its first submissions. Here the old read still
+    lists a node that has died since: the compute finishes, and the node is reported
+    dead as soon as the loop looks."""
+    from raydag.runtime import cluster
+
+    fresh = cluster.alive_nodes()
+    gone = "f" * 56
+    stale = time.monotonic() - 60.0
+    cluster._last_read = (stale, cluster.session(), {**fresh, gone: 1.0})
+    with caplog.at_level("WARNING", logger="raydag.runtime"):
+        assert dask.compute(dask.delayed(sum)([1, 2]), scheduler=raydag.ray_get) == (3,)
+    assert cluster._last_read[0] > stale  # read again
+    assert cluster._last_read[2] == fresh
+    assert any(f"node {gone[:12]} died" in r.getMessage() for r in caplog.records)
+    run = raydag.last_run()
+    assert run.meta["status"] == "ok"
+
+
 def test_warm_up_imports_what_the_driver_has_in_a_worker_per_cpu():
     """The embedded Ray's workers are started with the driver's modules imported
     (``local-ray.warm-imports``), so a first compute does not pay for it; a module the

@@ -105,8 +105,8 @@ def run(
             stacklevel=3,
         )
     connect()
-    # as the last compute's driver loop saw them, if that was less than a poll ago
-    nodes = alive_nodes(max_age=config.seconds("scheduling.cluster-poll-interval"))
+    # as this session last saw them: the driver loop looks again at once if that is old
+    nodes = alive_nodes(max_age=math.inf)
     per_cpu = float(config.get("scheduling.in-flight-per-cpu"))
     speculation = Speculation.from_config()
     checkpoints, checkpointing, found = _checkpoints(graph)

@@ -55,7 +55,7 @@ from raydag.core.events import (
 from raydag.core.graph import Graph
 from raydag.core.records import READY, WAITING
 from raydag.core.state import State
-from raydag.runtime.cluster import alive_nodes, idle_cpus
+from raydag.runtime.cluster import alive_nodes, idle_cpus, read_age
 from raydag.runtime.graveyard import graveyard
 from raydag.runtime.inbox import cancel, inbox
 from raydag.runtime.persisted import Persisted, given_ref, handed_out
@@ -72,6 +72,8 @@ from raydag.runtime.worker import (
 )
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from raydag.runtime.checkpoints import Checkpointing
 
 logger = logging.getLogger("raydag.runtime")
@@ -145,6 +147,8 @@ class Runner:
                 tasks = self.state.tasks
                 self._unsubmitted = {k for k, ts in tasks.items() if ts.state in (WAITING, READY)}
                 self._all_submitted()
+            if not self.state.done and read_age() > self.poll:  # an old read: ``runtime.run``
+                self._watch_cluster()  # the first tasks run meanwhile
             last_poll = time.monotonic()
             while not self.state.done:
                 if not self.pending:
@@ -196,9 +200,18 @@ class Runner:
         threading.Thread(target=order, name="raydag-order", daemon=True).start()
 
     def _watch(self, ref: ray.ObjectRef) -> None:
-        """Have Ray say when ``ref``'s task ends: it puts the ref in ``_ended``."""
+        """Have Ray say when ``ref``'s task ends: it puts ``(ref, value, error)`` in
+        ``_ended``. Ray's callback has read the object by then (an Outcome is small):
+        the loop takes it from there, not from a second ``ray.get``. Not the future
+        itself: it holds this callback, which holds the queue, a cycle that only the
+        garbage collector would free (with the refs in it) once the queue is dropped."""
         ended = self._ended
-        ref.future().add_done_callback(lambda _, ref=ref: ended.put(ref))
+
+        def put(done: Future, ref: ray.ObjectRef = ref) -> None:
+            error = done.exception()
+            ended.put((ref, None if error is not None else done.result(), error))
+
+        ref.future().add_done_callback(put)
 
     def _wait_and_handle(self) -> None:
         """Wait for Ray tasks to end (up to a poll interval); step through what they
@@ -207,15 +220,16 @@ class Runner:
         # the inbox's drain too: a start note wakes the loop (see ``Inbox``)
         writes = self.checkpoints.writes if self.checkpoints is not None else {}
         try:
-            refs = [self._ended.get(timeout=self.poll)]
+            items = [self._ended.get(timeout=self.poll)]
         except queue.Empty:
             return
         while not self._ended.empty():  # and every other one ended by now
-            refs.append(self._ended.get_nowait())
-        for ref in refs:
-            if type(ref) is Ordered:  # dask.order's priorities (``_order_in_background``)
-                self._step(ref, quiet=True)
+            items.append(self._ended.get_nowait())
+        for item in items:
+            if type(item) is Ordered:  # dask.order's priorities (``_order_in_background``)
+                self._step(item, quiet=True)
                 continue
+            ref, value, error = item
             if self._drain is not None and ref == self._drain:
                 self._take_notes(wait=0)
                 continue
@@ -224,7 +238,7 @@ class Runner:
                 continue
             if ref not in self.pending:  # cancelled while handling an earlier one
                 continue
-            for event in self._events(ref):
+            for event in self._events(ref, (value, error)):
                 self._step(event)
             if self.state.done:
                 break
@@ -339,11 +353,12 @@ class Runner:
             if run == self.run_id and copy in self.by_copy:
                 self._step(TaskStarted(copy, node, t))
 
-    def _events(self, meta_ref: ray.ObjectRef) -> list:
-        """What one finished Ray task means, as state machine events."""
+    def _events(self, meta_ref: ray.ObjectRef, read: tuple | None = None) -> list:
+        """What one finished Ray task means, as state machine events (``read``: its
+        outcome and Ray's error, as ``_watch`` has them)."""
         sub, value_refs = self.pending.pop(meta_ref)
         del self.by_copy[sub.copy]
-        outcome = _outcome(meta_ref, value_refs)
+        outcome = _outcome(meta_ref, value_refs, read)
         if isinstance(outcome, Exception):
             return self._ray_erred(sub, outcome)
         if outcome.warnings is not None:
@@ -643,13 +658,21 @@ def _with(sub: Submit) -> str:
     return f" (with {', '.join(map(repr, others))} in its Ray task)" if others else ""
 
 
-def _outcome(meta_ref: ray.ObjectRef, value_refs: Sequence[ray.ObjectRef]) -> Outcome | Exception:
-    """``ray.get`` of a Ray task's outcome, or Ray's error for it (see ``frameless``).
+def _outcome(
+    meta_ref: ray.ObjectRef, value_refs: Sequence[ray.ObjectRef], read: tuple | None = None
+) -> Outcome | Exception:
+    """A Ray task's outcome, or Ray's error for it (see ``frameless``): as ``read``
+    (``(value, error)`` from Ray's callback, the same as ``ray.get`` gives), else
+    by ``ray.get``.
     When the task failed, its value refs hold the error too: read them, or Ray logs each
     as an "Unhandled error" when it is dropped (a line per value per worker death, on
     top of raydag's own warning)."""
     try:
-        return ray.get(meta_ref)
+        if read is None:
+            return ray.get(meta_ref)
+        if read[1] is None:
+            return read[0]
+        raise read[1]
     except Exception as e:
         for ref in value_refs:
             try:
