@@ -65,7 +65,11 @@ def test_pile_up_stays_below_the_high_water_mark(nodes):
     assert max(peaks.values()) < 0.7 * STORE, {nodes[n]: p / MB for n, p in peaks.items()}
     rec = raydag.last_run()
     steps = rec.tasks[rec.tasks.category == "step"]
-    assert steps.node.nunique() == 3, steps.node.value_counts()
+    # spread: a node is seen crowded at the next store sample (every 250 ms), so how
+    # many steps each node takes before the chain moves on varies with the load
+    # (quiet: 25/19/6 and 23/23/4 steps; in a loaded suite 25/25/0); locality alone
+    # keeps all 50 on one node (below)
+    assert steps.node.nunique() >= 2, steps.node.value_counts()
     # each placement is in the record: where and why
     ev = rec.events
     placed = ev[(ev.event == SUBMITTED) & ev.reason.notna() & ev.reason.str.len().gt(0)]
