@@ -96,7 +96,7 @@ def main() -> None:
             continue
         ma, mb = statistics.median(a), statistics.median(b)
         ratio = f"{mb / ma:.3f}" if ma else "-"
-        rows.append((name, f"{ma:.3f}", f"{mb:.3f}", ratio, len(a), len(b)))
+        rows.append((name, f"{ma:.4g}", f"{mb:.4g}", ratio, len(a), len(b)))
     print()
     print(_common.table(("figure", "A median", "B median", "B / A", "n A", "n B"), rows))
     print("\nB / A below 1: B smaller (faster, less memory, fewer re-executions)")

@@ -34,8 +34,10 @@ With ``--small``, the latency of small computes instead (#19): the fixed cost of
   same), dask sync, dask threads, and distributed (a ``LocalCluster`` in this process,
   ``processes=False``, 2 threads). Each runs ``--small-warmup`` times, then
   ``--small-repeats`` timed runs interleaved round by round; the median, in ms.
+  ``--small-pause S`` sleeps S seconds before each timed run, outside the timing, as
+  a notebook's cells are apart: what a scheduler keeps from the last compute is older.
 
-    python bench/overhead.py --small [--small-repeats 200] [--json results.json]
+    python bench/overhead.py --small [--small-repeats 200] [--small-pause 0.3] [--json results.json]
 """
 
 from __future__ import annotations
@@ -252,6 +254,7 @@ def small(args: argparse.Namespace) -> list[Result]:
         print(
             f"timing  : {args.small_warmup} warm-ups, then the median of "
             f"{args.small_repeats} runs, contenders interleaved"
+            + (f", {args.small_pause} s apart" if args.small_pause else "")
         )
         print()
         results: list[Result] = []
@@ -259,6 +262,8 @@ def small(args: argparse.Namespace) -> list[Result]:
             times: dict[str, list[float]] = {c: [] for c in contenders}
             for round_ in range(args.small_warmup + args.small_repeats):
                 for contender, fn in contenders.items():
+                    if args.small_pause and round_ >= args.small_warmup:
+                        time.sleep(args.small_pause)
                     t0 = time.perf_counter()
                     value = fn()
                     elapsed = time.perf_counter() - t0
@@ -306,6 +311,9 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="latency of small computes instead")
     ap.add_argument("--small-repeats", type=int, default=200, help="timed runs, with --small")
     ap.add_argument("--small-warmup", type=int, default=10, help="warm-up runs, with --small")
+    ap.add_argument(
+        "--small-pause", type=float, default=0.0, help="seconds before each timed run, with --small"
+    )
     args = ap.parse_args()
 
     _common.start_ray()  # one embedded Ray with raydag's settings, for every Ray contender
