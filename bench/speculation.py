@@ -12,7 +12,11 @@ own lower bound: the clairvoyant optimum, the best assignment of the tasks to no
 of known speeds (1, 1/f for the slowed node, 0 for the hung one) plus the final task
 (tests/schedule_bound.py; no schedule, with duplicates or not, beats it), printed with
 its arithmetic beside the fractional bound max(longest task, total work / summed
-speeds), which 7-17 tasks cannot reach. A hung ``ray_dask_get`` waits ``HANG`` s.
+speeds), which 7-17 tasks cannot reach. Beside it, what the order's luck costs a
+scheduler blind to the lengths of one category's tasks (as every online one is) but
+told the nodes' speeds: random orders list-scheduled on the nodes not slowed
+(``schedule_bound.blind``; median and 90th percentile over the bound). A hung
+``ray_dask_get`` waits ``HANG`` s.
 
 ``--issue4``: #4's scenarios, as before:
 
@@ -69,7 +73,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 
 from _common import print_header, table, write_json  # noqa: E402
 from harness import MultiNodeCluster  # noqa: E402
-from schedule_bound import Bound, bound, speeds_of  # noqa: E402
+from schedule_bound import Bound, blind, bound, speeds_of  # noqa: E402
 from test_speculation import HANG, graph, runs, spin  # noqa: E402
 
 import raydag  # noqa: E402
@@ -361,6 +365,15 @@ def family_bound(spec: dict, nodes: int, factor: float, slowed: int = 1) -> Boun
     return bound(lengths, speeds, spec["total"][0])
 
 
+def family_blind(spec: dict, nodes: int, factor: float, slowed: int = 1) -> list[float]:
+    """``schedule_bound.blind`` of the scenario: what luck in the order of one category's
+    tasks, unknown lengths, costs a scheduler that knows the nodes' speeds."""
+    lengths = [s for k, (s, _, _) in spec.items() if k != "total"]
+    speeds = speeds_of(nodes, factor)
+    speeds[1:slowed] = speeds[:1] * (slowed - 1)
+    return blind(lengths, speeds, spec["total"][0])
+
+
 def run_ray_dask_get(spec: dict, log: str, timeout: float) -> float | None:
     """``ray_dask_get`` on the same graph (old-style tuples); ``None``: not done in time."""
     from ray.util.dask import ray_dask_get
@@ -445,6 +458,8 @@ def family(args: argparse.Namespace) -> None:
             spec = family_spec(nodes, factor, lengths, mix)
             b = family_bound(spec, nodes, factor)
             bound, how = b.seconds, b.how
+            spans = family_blind(spec, nodes, factor)
+            blind_x = [spans[len(spans) // 2] / bound, spans[len(spans) * 9 // 10] / bound]
             name = scenario_name(nodes, factor, lengths, mix)
             for rep in range(1, args.repeats + 1):
                 got = {
@@ -459,6 +474,7 @@ def family(args: argparse.Namespace) -> None:
                         len(spec) - 1,
                         round(bound, 2),
                         round(b.fractional, 2),
+                        "{:.2f} {:.2f}".format(*blind_x),
                         round(off["makespan"] / bound, 2),
                         round(on["makespan"] / bound, 2),
                         (">" if rdg["hung"] else "") + f"{rdg['makespan'] / bound:.2f}",
@@ -467,7 +483,10 @@ def family(args: argparse.Namespace) -> None:
                         f"{on['duplicates']}/{on['won']}",
                     ]
                 )
-                out.append({"scenario": name, "repeat": rep, "bound": bound, "how": how, **got})
+                out.append(
+                    {"scenario": name, "repeat": rep, "bound": bound, "how": how, "blind": blind_x}
+                    | got
+                )
                 print(f"{name} rep {rep}: bound {how}", file=sys.stderr)
                 for line in table(FAMILY_HEADERS, rows[-1:]).splitlines()[2:]:
                     print(line, file=sys.stderr, flush=True)
@@ -479,7 +498,9 @@ def family(args: argparse.Namespace) -> None:
             print(f"  {o['scenario']}: {o['how']}")
     print(
         "\nx bound: makespan (first task start to last task end) over the bound (exact unless "
-        "said); frac s: the fractional bound, for comparison; on/off and "
+        "said); frac s: the fractional bound, for comparison; blind x: the median and 90th "
+        "percentile over the bound of random task orders list-scheduled on the nodes not "
+        "slowed (a scheduler blind to lengths, told the speeds); on/off and "
         "on/rdg: makespan ratios in the same repeat; dups: duplicates made/won (on); "
         f">: ray_dask_get not done after {HANG + 5:.0f} s"
     )
@@ -525,7 +546,7 @@ def simulated(args: argparse.Namespace) -> None:
     print("\n".join(hows))
 
 
-FAMILY_HEADERS = ["scenario", "rep", "tasks", "bound s", "frac s", *RATIOS]
+FAMILY_HEADERS = ["scenario", "rep", "tasks", "bound s", "frac s", "blind x", *RATIOS]
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from schedule_bound import bound, fractional, optimum, speeds_of
+from schedule_bound import blind, bound, fractional, optimum, speeds_of
 
 pytestmark = pytest.mark.core_only  # the benchmark's bound: no Ray, no dask
 
@@ -66,3 +66,26 @@ def test_optimum_is_the_best_of_every_assignment(lengths, speeds):
     assert math.isclose(span, best, rel_tol=1e-9)
     assert all(speeds[j] > 0 for j in assign)
     assert span >= fractional(lengths, speeds) - 1e-9
+
+
+def test_blind_scheduling_by_hand():
+    # two 1-s tasks and a 2-s one on two nodes: the 2-s one first or second ends at 2,
+    # last at 3 (a third of the orders)
+    spans = blind([1, 1, 2], [1, 1], final=0.0, orders=3000)
+    assert set(spans) == {2.0, 3.0} and 0.28 < spans.count(3.0) / len(spans) < 0.38
+    # a 5x node is avoided (as raydag's slow-node rule does), a 2x one used, a hung one never
+    assert set(blind([1, 1, 1], speeds_of(2, 5.0), final=0.1)) == {3.1}
+    assert set(blind([1, 1, 1], speeds_of(2, math.inf), final=0.1)) == {3.1}
+    assert set(blind([1, 1, 1], [1.0, 0.5], final=0.0)) == {2.0}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.floats(0.1, 5.0), min_size=1, max_size=7),
+    speeds=st.lists(st.sampled_from([0.0, 0.2, 0.5, 1.0]), min_size=0, max_size=4),
+)
+def test_no_blind_order_beats_the_clairvoyant_bound(lengths, speeds):
+    speeds = [1.0, *speeds]
+    spans = blind(lengths, speeds, final=0.1, orders=50)
+    assert spans == sorted(spans) and len(spans) == 50
+    assert spans[0] >= bound(lengths, speeds, final=0.1).seconds - 1e-9
