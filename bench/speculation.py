@@ -355,23 +355,28 @@ def family_spec(nodes: int, factor: float, lengths: str, mix: str, seed: int = 0
     return spec
 
 
-def family_bound(spec: dict, nodes: int, factor: float, slowed: int = 1) -> Bound:
-    """The clairvoyant optimum (tests/schedule_bound.py): the best assignment of the
-    tasks to nodes of known speeds (1, ``1/factor`` for the slowed nodes, 0 for a hung
-    one), plus the final task; the fractional bound where the search is too big."""
+def family_speeds(spec: dict, nodes: int, factor: float, slowed: int = 1) -> tuple[list, list]:
+    """The scenario's task lengths (the final task apart) and node speeds (1, ``1/factor``
+    for the slowed nodes, 0 for a hung one)."""
     lengths = [s for k, (s, _, _) in spec.items() if k != "total"]
     speeds = speeds_of(nodes, factor)
     speeds[1:slowed] = speeds[:1] * (slowed - 1)
-    return bound(lengths, speeds, spec["total"][0])
+    return lengths, speeds
+
+
+def family_bound(spec: dict, nodes: int, factor: float, slowed: int = 1) -> Bound:
+    """The clairvoyant optimum (tests/schedule_bound.py): the best assignment of the
+    tasks to nodes of known speeds, plus the final task; the fractional bound where the
+    search is too big."""
+    return bound(*family_speeds(spec, nodes, factor, slowed), spec["total"][0])
 
 
 def family_blind(spec: dict, nodes: int, factor: float, slowed: int = 1) -> list[float]:
     """``schedule_bound.blind`` of the scenario: what luck in the order of one category's
-    tasks, unknown lengths, costs a scheduler that knows the nodes' speeds."""
-    lengths = [s for k, (s, _, _) in spec.items() if k != "total"]
-    speeds = speeds_of(nodes, factor)
-    speeds[1:slowed] = speeds[:1] * (slowed - 1)
-    return blind(lengths, speeds, spec["total"][0])
+    tasks, unknown lengths, costs a scheduler that knows the nodes' speeds and keeps
+    first copies off those ``raydag.speculation.slow-node`` times slower."""
+    avoid = float(raydag.config.default("speculation.slow-node"))
+    return blind(*family_speeds(spec, nodes, factor, slowed), spec["total"][0], avoid=avoid)
 
 
 def run_ray_dask_get(spec: dict, log: str, timeout: float) -> float | None:

@@ -21,6 +21,7 @@ bound ``max(longest task, total work / summed speeds)``, saying so.
 from __future__ import annotations
 
 import math
+import random
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -185,8 +186,6 @@ def blind(
     1.25-1.76 s, bound 2.93 s): on the five nodes not slowed, a random order ends at
     a median 1.23x the bound and past 1.3x in 17 % of orders; longest first, 1.04x.
     """
-    import random
-
     fast = max(speeds)
     used = sorted((s for s in speeds if s > 0 and s * avoid > fast), reverse=True)
     rng = random.Random(seed)
