@@ -10,10 +10,12 @@ each measured figure with B's median over A's.
     .nox/tests/bin/python bench/ab.py --a /tmp/old-main --rounds 2 overhead.py --repeats 3
     .nox/tests/bin/python bench/ab.py --a /tmp/old-main memory.py
     .nox/tests/bin/python bench/ab.py --a /tmp/old-main recovery.py --only two-kills --repeat 2
+    .nox/tests_hep/bin/python bench/ab.py --a /tmp/old-main hep.py --real --repeats 2
 
 The figures read from each script's ``--json``: overhead.py, the median seconds per
 graph and contender; memory.py, the peak store bytes and wall seconds per contender;
-recovery.py, the makespan, re-executions and waves per scenario and contender.
+recovery.py, the makespan, re-executions and waves per scenario and contender; hep.py,
+each contender's seconds and raydag's speed over dask sync's in the same run.
 """
 
 from __future__ import annotations
@@ -50,8 +52,24 @@ def figures(script: str, data: dict) -> Iterator[tuple[str, float]]:
             yield f"{what}  re-executed", r["reexecuted"]
             if r.get("waves") is not None:
                 yield f"{what}  waves", r["waves"]
+    elif name == "hep.py":
+        for part in ("skim", "real"):
+            rows = data.get(part)
+            if not isinstance(rows, list):  # "skim" is also the header's description
+                continue
+            for r in rows:
+                yield f"{part} {r['contender']:>14}  s", r["seconds"]
+            sync = [r["seconds"] for r in rows if r["contender"] == "dask sync"]
+            for r in rows:  # the machine's speed drifts: a run's ratio to its own baseline
+                if r["contender"] == "raydag" and sync:
+                    yield (
+                        f"{part} {'raydag':>14}  sync s / s",
+                        statistics.median(sync) / r["seconds"],
+                    )
     else:
-        raise SystemExit(f"bench/ab.py reads overhead.py, memory.py, recovery.py, not {name}")
+        raise SystemExit(
+            f"bench/ab.py reads overhead.py, memory.py, recovery.py, hep.py, not {name}"
+        )
 
 
 def run(tree: str, script: str, args: list[str]) -> tuple[dict, str]:
@@ -74,7 +92,7 @@ def main() -> None:
     ap.add_argument("--a", required=True, help="tree A (the baseline): a checkout of raydag")
     ap.add_argument("--b", default=os.path.join(os.path.dirname(__file__), ".."), help="tree B")
     ap.add_argument("--rounds", type=int, default=1, help="runs of each tree, alternating")
-    ap.add_argument("script", help="overhead.py, memory.py or recovery.py")
+    ap.add_argument("script", help="overhead.py, memory.py, recovery.py or hep.py")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     args = ap.parse_args()
     trees = {"A": args.a, "B": args.b}

@@ -87,7 +87,7 @@ def test_producer_with_cheap_consumers_keeps_its_value_in_its_task(assert_store_
     together = t[t.group.isin(reads_run.group)].groupby("group").category.agg(frozenset)
     joined = together[together.map(lambda c: {"read", "write", "histogram"} <= c)]
     assert len(reads_run) == parts
-    # the first read is each category's probe; later ones wait for the measures
+    # the first reads are each category's probes; a read refused them runs apart
     assert len(joined) >= parts - 4, together.value_counts()
     assert (t[t.category == "read"].nbytes.isna()).sum() >= len(joined)  # never stored
     assert_store_empty()

@@ -746,10 +746,12 @@ class Driver:
             return ("consumers too slow to follow", total, led)
         probes = {sc.categories[c] for c, k in zip(consumers, known, strict=True) if k is None}
         others = [g for gid, g in self.inflight.items() if gid != self._key(sub)]
-        running = {sc.categories[k] for g in others for k in g.keys}
-        running |= {sc.categories[k] for k in chain}  # one probe per category, alone
-        if probes & running:
-            return ("probe beside its category", probes & running)
+        running = collections.Counter(sc.categories[k] for g in others for k in g.keys)
+        if probes & {sc.categories[k] for k in chain}:  # a probe apart from its category
+            return ("probe beside its category in its chain", probes)
+        crowded = {c for c in probes if running[c] >= PROBES}  # fewer than PROBES in flight
+        if crowded:
+            return ("probes of a category past PROBES in flight", crowded)
         return None
 
     def _check_release(self, key) -> None:
@@ -2417,10 +2419,10 @@ def skim_state(**kwargs) -> State:
 def test_consumers_run_in_their_producers_task_and_its_value_never_leaves():
     s = skim_state(capacity=2)
     first, second = submits(s.start())
-    # nothing measured yet: the first read takes its consumers along as probes of
-    # their categories; the second, started beside it, does not
+    # nothing measured yet: each read takes its consumers along as probes of their
+    # categories, the second beside the first
     assert first.keys == ("read0", "hist0", "write0") and first.kept == ("hist0", "write0")
-    assert second.keys == ("read1",)
+    assert second.keys == ("read1", "hist1", "write1")
     out = s.handle(TaskFinished(first.copy, {"read0": 0.1, "hist0": 0.001, "write0": 0.004},
                                 40, "n0", sizes=(8, 32)))  # fmt: skip
     s.validate_state()
@@ -2428,10 +2430,20 @@ def test_consumers_run_in_their_producers_task_and_its_value_never_leaves():
     assert (s.tasks["hist0"].nbytes, s.tasks["write0"].nbytes) == (8, 32)
     (third,) = submits(out)  # measured now: cheap beside the read
     assert third.keys == ("read2", "hist2", "write2") and third.kept == ("hist2", "write2")
+
+
+def test_probes_of_a_category_stop_at_probes_in_flight():
+    s = skim_state(capacity=PROBES + 1)
+    subs = submits(s.start())
+    probes = [(f"read{i}", f"hist{i}", f"write{i}") for i in range(PROBES)]
+    assert [sub.keys for sub in subs[:PROBES]] == probes
+    (alone,) = subs[PROBES:]  # PROBES of each consumer's runs in flight: no more probes
+    assert alone.keys == (f"read{PROBES}",)
     # the read that ran alone keeps its value for its consumers, which run apart
-    out = finish(s, second, 0.1)
-    assert s.tasks["read1"].state == "memory"
-    assert {sub.root for sub in submits(out)} == {"hist1"}
+    out = finish(s, alone, 0.1)
+    s.validate_state()
+    assert s.tasks[f"read{PROBES}"].state == "memory"
+    assert [sub.keys for sub in submits(out)] == [(f"hist{PROBES}",)]  # the one free slot
 
 
 def test_slow_consumers_do_not_follow_and_outputs_stay():

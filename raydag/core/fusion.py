@@ -27,7 +27,8 @@ then ``mask-3`` (it reads only ``Muon-3``), then ``getitem-3``, then the parquet
 and the histogram fill that read it: one Ray task for the partition, where each accessor
 a Ray task of its own would cost a round trip on the partition's critical path. Those
 read outside (the write's and the fill's values, read by the reductions) are kept. A
-category measured fewer than ``PROBES`` times joins as a probe, one group at a time.
+category measured fewer than ``PROBES`` times joins as a probe, while fewer than
+``PROBES`` of its runs are in flight.
 """
 
 from __future__ import annotations
@@ -48,7 +49,15 @@ Key = Hashable
 # take at most this share of its runtime (a writer after an hour of processing).
 CONSUMERS_SHARE = 0.5
 # A consumer's category is judged on this many runs (the first run in a worker pays
-# for imports and warm-up); until then it is probed, one group at a time.
+# for imports and warm-up). Until then it joins groups as a probe while fewer than this
+# many of its runs are in flight; past that, its producers run alone until some come
+# back. Probes go several at once, not one group after another: a producer refused
+# them keeps its value for consumers run as Ray tasks of their own, each a round trip
+# through the object store that fusion is there to save (a coffea reader's events read
+# back by a dozen accessors: 0.1-0.3 s each on 2 CPUs, against 1 ms inside the task).
+# A category that proves long runs beside its producers up to PROBES - 1 measured
+# times plus what was in flight (under PROBES, and the last group's own), against
+# PROBES one group at a time: a few runs more, for no wait.
 PROBES = 3
 
 
@@ -256,10 +265,10 @@ class Fuser:
         lead = self.s.estimate(root)
         if not cheap and (lead is None or total > lead * CONSUMERS_SHARE):
             return ()
-        if probes:  # a category is measured by one task at a time
+        if probes:  # a few probes of a category in flight at once (see PROBES)
             cats = self.s.categories
             if any(tasks[k].category in probes for k in keys) or any(
-                cats[c].processing for c in probes if c in cats
+                cats[c].processing >= PROBES for c in probes if c in cats
             ):
                 return ()
         return tuple(joined)

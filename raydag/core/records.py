@@ -171,7 +171,7 @@ class Category:
         # speculation's: per node (``None``: seeded from an earlier run), its latest lone
         # runs as (seconds, finished); a run not finished (a loser) lasted at least that
         self.runs_on: dict[str | None, list[tuple[float, bool]]] = {}
-        self.processing = 0  # its keys in groups in flight (fusion probes one at a time)
+        self.processing = 0  # its keys in groups in flight (fusion's probes count them)
 
     @property
     def mean(self) -> float | None:
