@@ -50,14 +50,12 @@ Key = Hashable
 CONSUMERS_SHARE = 0.5
 # A consumer's category is judged on this many runs (the first run in a worker pays
 # for imports and warm-up). Until then it joins groups as a probe while fewer than this
-# many of its runs are in flight; past that, its producers run alone until some come
-# back. Probes go several at once, not one group after another: a producer refused
-# them keeps its value for consumers run as Ray tasks of their own, each a round trip
-# through the object store that fusion is there to save (a coffea reader's events read
-# back by a dozen accessors: 0.1-0.3 s each on 2 CPUs, against 1 ms inside the task).
-# A category that proves long runs beside its producers up to PROBES - 1 measured
-# times plus what was in flight (under PROBES, and the last group's own), against
-# PROBES one group at a time: a few runs more, for no wait.
+# many of its runs are in flight. Probes go several at once, not one group after
+# another: a producer refused them keeps its value for consumers run as Ray tasks of
+# their own, each a round trip through the object store that fusion is there to save
+# (a coffea reader's events read back by a dozen accessors: 0.1-0.3 s each on 2 CPUs).
+# A category that proves long has then run beside its producers a few times more than
+# PROBES (those measured, and those in flight when the last probe joined).
 PROBES = 3
 
 
