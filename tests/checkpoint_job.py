@@ -26,11 +26,12 @@ def step(log: str, seconds: float, label: str, *inputs: np.ndarray) -> np.ndarra
     finally:
         os.close(fd)
     base = np.arange(20_000, dtype="f8") + len(key)
-    return base + sum(float(x.sum()) % 97 for x in inputs) if inputs else base
+    return base + sum(float(np.sum(x)) % 97 for x in inputs) if inputs else base
 
 
-def graph(log: str, n: int = 8, seconds: float = 0.5) -> dict:
-    """``n`` loads, a process of each, pairs summed, a total."""
+def graph(log: str, n: int = 8, seconds: float = 0.5, hold: str | None = None) -> dict:
+    """``n`` loads, a process of each, pairs summed, a total; with ``hold``, the total
+    also waits for the file ``hold`` to exist (a test kills the driver meanwhile)."""
     dsk: dict = {}
     for i in range(n):
         dsk[f"load-{i}"] = (step, log, seconds, f"#load-{i}")
@@ -51,6 +52,9 @@ def graph(log: str, n: int = 8, seconds: float = 0.5) -> dict:
         "#total",
         *(f"pair-{i}" for i in range(0, n, 2)),
     )
+    if hold is not None:
+        dsk["hold"] = (gate, hold)
+        dsk["total"] += ("hold",)
     return dsk
 
 
@@ -83,8 +87,9 @@ def seconds_of(key: str, seconds: float) -> float:
 
 
 def main() -> None:
-    """``STORE LOG OUT [MIN_COST|off [N [SECONDS]]]``: compute ``graph``'s total into OUT
-    (``.npy``), with checkpoints in STORE written from MIN_COST (default 0 s)."""
+    """``STORE LOG OUT [MIN_COST|off [N [SECONDS [HOLD]]]]``: compute ``graph``'s total
+    into OUT (``.npy``), with checkpoints in STORE written from MIN_COST (default 0 s);
+    the total waits for the file HOLD, if given."""
     import dask
 
     import raydag
@@ -93,13 +98,14 @@ def main() -> None:
     min_cost = rest[0] if rest else "0s"
     n = int(rest[1]) if len(rest) > 1 else 8
     seconds = float(rest[2]) if len(rest) > 2 else 0.5
+    hold = rest[3] if len(rest) > 3 else None
     conf = {"raydag.checkpoint.store": store, "raydag.checkpoint.min-cost": min_cost}
     if min_cost == "off":
         conf = {"raydag.checkpoint.enabled": False}
     raydag.connect()
     t0 = time.perf_counter()
     with dask.config.set(conf):
-        total = raydag.get(graph(log, n, seconds), "total")
+        total = raydag.get(graph(log, n, seconds, hold), "total")
     np.save(out, total)
     with open(f"{out}.seconds", "w") as f:  # the compute's own time, for bench/checkpoint.py
         f.write(str(time.perf_counter() - t0))
