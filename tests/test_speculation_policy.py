@@ -190,6 +190,24 @@ def test_slow_node_gets_no_first_copies_and_is_looked_at_again():
     assert took <= 1.3 * bound(length, 3, 5.0), (took, bound(length, 3, 5.0))
 
 
+def test_the_others_long_runs_in_progress_are_in_the_yardstick():
+    """3 normal nodes, a category mixing 0.1-0.4 s and 1-2 s: n1 draws two long tasks
+    first while n0 and n2 finish short ones and are well into long ones. Against the
+    others' finished runs alone (all short) n1 ranked slow and its CPU was withheld at the
+    tail (5.19 s against 4.31 s off); their runs in progress, longer than n1's divided
+    by slow-node, keep it a normal node."""
+    rng = random.Random(309)
+    ranges = ((0.1, 0.4), (1.0, 2.0))
+    deps, length, outputs = bag([rng.uniform(*ranges[i % 2]) for i in range(14)])
+    took = {}
+    for on in (False, True):
+        c = Cluster(3, None, 1.0)
+        took[on], s = simulate(make(deps, outputs, 3, Speculation(enabled=on)), c, length)
+        assert s.done
+    assert not c.judged, c.judged
+    assert took[True] <= took[False] + 1e-9, took
+
+
 def test_hung_node_never_hangs_the_compute():
     deps, length, outputs = bag(mixed(24))
     c = Cluster(3, "n1", math.inf)

@@ -42,8 +42,14 @@ past ``long_task`` itself, too.
 
 **Slow nodes, judged against the others.** For each lone run ``x`` of a category on
 node N, ``u = F(x / slow_node)``, where ``F`` is the fraction of the category's runs on
-the *other* nodes (not slow themselves; at least ``slow_node_others`` of them) below it
-(ties half). A run is *slow* when ``u`` is at least 0.9: even ``slow_node`` times
+the *other* nodes (not slow themselves; at least ``slow_node_others`` of them finished)
+below it (ties half). Their runs still in progress that have lasted longer than ``x /
+slow_node`` count too, above it: short tasks end first, so the finished runs alone are
+a yardstick of the short ones early in a compute (3 nodes, a 0.1-0.4 s / 1-2 s mix: n1
+ran 1.0 s and is 0.67 s into a task while n0 and n2 ran 0.12, 0.16 and 0.16 s and are
+1.9 and 1.7 s into long ones; n1's runs rank 1.0 against the finished three, and it was
+judged slow and its CPU withheld at the tail, 5.2 s against 4.3 s off; against all five,
+0.6). A run is *slow* when ``u`` is at least 0.9: even ``slow_node`` times
 faster it would have been longer than nearly all the others' runs of its category. N is
 slow once ``slow_node_runs`` of its runs are slow, and at least a third of them. A run
 is slow only if being ``slow_node`` times slower cost it ``min_gain`` too (``x (1 -
@@ -126,8 +132,9 @@ make a node not slow look slow; a node 5x slow in a 50/50 mix needs about four r
 (its long half is slow). ``slow_node_others`` 3: ranks need a few runs to rank against.
 
 **What a judgement costs.** Per category, one sorted list of every node's finished
-runs (``_done``, at most ``PACE`` per node); a run ranks against the others in two
-bisects less its own node's runs and the slow nodes'. Runs of fewer than two other
+runs (``_done``, at most ``PACE`` per node) and one of the start times of its lone
+first copies running (``_lasting``); a run ranks against the others in three bisects
+less its own node's runs and the slow nodes'. Runs of fewer than two other
 nodes rank nothing: against one node alone a node that drew a mixed category's long
 tasks looks slowed (and once one node is slow in a 4-node cluster, the others would be
 judged one by one against whichever is left). A node is judged only when its evidence
@@ -272,6 +279,12 @@ class Speculator:
         self._running: dict[str, dict[int, Group]] = {}
         self._node_of: dict[int, str] = {}
         self._first_starts: dict[str, list[tuple[float, int]]] = {}
+        # the yardstick's runs in progress: category, and (category, node) -> (started,
+        # copy id) of its lone first copies running, sorted; copy id -> (category, node,
+        # started)
+        self._lasting: dict[str, list[tuple[float, int]]] = {}
+        self._lasting_on: dict[tuple[str, str], list[tuple[float, int]]] = {}
+        self._lasting_of: dict[int, tuple[str, str, float]] = {}
         self.slow_nodes: set[str] = set()  # the nodes whose ``slow_since`` is set
         self._unjudged: set[str] = set()  # nodes whose evidence changed since judged
         self._turn = 0  # the next node a Tick judges in turn (``ticked``)
@@ -537,7 +550,8 @@ class Speculator:
             return None
         lo, hi, n = bisect_left(done, x), bisect_right(done, x), len(done)
         cat = self.s.categories[name]
-        for m in (node, *(m for m in self.slow_nodes if m != node)):
+        mine = (node, *(m for m in self.slow_nodes if m != node))
+        for m in mine:
             for y, finished in cat.runs_on.get(m, ()):
                 if finished:
                     n -= 1
@@ -545,7 +559,15 @@ class Speculator:
                     hi -= y <= x
         if n < self.settings.slow_node_others:
             return None
-        return (lo + hi) / 2 / n
+        # The others' runs in progress that have lasted longer than x are runs above it
+        # too: without them the yardstick is biased to short tasks, which end first
+        # (a node that drew a mixed category's long tasks early looks slow beside the
+        # others' short ones while their long ones still run).
+        since = (self.s.now - x,)
+        above = bisect_left(self._lasting.get(name, ()), since)
+        for m in mine:
+            above -= bisect_left(self._lasting_on.get((name, m), ()), since)
+        return (lo + hi) / 2 / (n + above)
 
     def pace(self, node: str | None) -> float:
         """How many times slower than the others ``node`` runs, at least 1. A slow node:
@@ -1063,8 +1085,12 @@ class Speculator:
         self._running.setdefault(copy.node, {})[copy.id] = group
         self._node_of[copy.id] = copy.node
         if not copy.duplicate:
-            starts = self._first_starts.setdefault(self.s.tasks[group.lead].category, [])
-            heapq.heappush(starts, (copy.started, copy.id))
+            name = self.s.tasks[group.lead].category
+            heapq.heappush(self._first_starts.setdefault(name, []), (copy.started, copy.id))
+            if len(group.keys) == 1 + len(group.consumers):  # a run, once it ends (_learn)
+                insort(self._lasting.setdefault(name, []), (copy.started, copy.id))
+                insort(self._lasting_on.setdefault((name, copy.node), []), (copy.started, copy.id))
+                self._lasting_of[copy.id] = (name, copy.node, copy.started)
 
     def finished(self, group: Group, ev: TaskFinished, out: list[Instruction]) -> None:
         """Copy ``ev.copy`` of ``group`` won; the others are being cancelled."""
@@ -1344,6 +1370,11 @@ class Speculator:
 
     def dropped(self, copy: int) -> None:
         self.in_flight.discard(copy)
+        lasting = self._lasting_of.pop(copy, None)
+        if lasting is not None:
+            name, node, started = lasting
+            for runs in (self._lasting[name], self._lasting_on[(name, node)]):
+                del runs[bisect_left(runs, (started, copy))]
         node = self._node_of.pop(copy, None)
         if node is not None:
             del self._running[node][copy]
@@ -1355,6 +1386,9 @@ class Speculator:
         self._running.clear()
         self._node_of.clear()
         self._first_starts.clear()
+        self._lasting.clear()
+        self._lasting_on.clear()
+        self._lasting_of.clear()
 
     def validate(self) -> None:
         dups = {cid for g in self.s.groups.values() for cid, c in g.copies.items() if c.duplicate}
@@ -1387,6 +1421,20 @@ class Speculator:
         assert {(n, cid) for n, d in self._running.items() for cid in d} == {
             (n, cid) for cid, n in running.items()
         }
+        lasting = {
+            cid: (self.s.tasks[g.lead].category, c.node, c.started)
+            for g in self.s.groups.values()
+            if len(g.keys) == 1 + len(g.consumers)
+            for cid, c in g.copies.items()
+            if not c.duplicate and c.started is not None and c.node is not None
+        }
+        assert self._lasting_of == lasting, (self._lasting_of, lasting)
+        got = sorted((name, t, cid) for name, runs in self._lasting.items() for t, cid in runs)
+        assert got == sorted((name, t, cid) for cid, (name, _, t) in lasting.items()), got
+        on = sorted((*k, t, cid) for k, runs in self._lasting_on.items() for t, cid in runs)
+        assert on == sorted((*v[:2], v[2], cid) for cid, v in lasting.items()), on
+        for runs in (*self._lasting.values(), *self._lasting_on.values()):
+            assert runs == sorted(runs)
         for c in self.s.categories.values():
             done = sorted(x for runs in c.runs_on.values() for x, ok in runs if ok)
             assert self._done.get(c.name, []) == done, c.name
