@@ -280,11 +280,9 @@ class Speculator:
         self._node_of: dict[int, str] = {}
         self._first_starts: dict[str, list[tuple[float, int]]] = {}
         # the yardstick's runs in progress: category, and (category, node) -> (started,
-        # copy id) of its lone first copies running, sorted; copy id -> (category, node,
-        # started)
+        # copy id) of its lone first copies running (``_lasting_key``), sorted
         self._lasting: dict[str, list[tuple[float, int]]] = {}
         self._lasting_on: dict[tuple[str, str], list[tuple[float, int]]] = {}
-        self._lasting_of: dict[int, tuple[str, str, float]] = {}
         self.slow_nodes: set[str] = set()  # the nodes whose ``slow_since`` is set
         self._unjudged: set[str] = set()  # nodes whose evidence changed since judged
         self._turn = 0  # the next node a Tick judges in turn (``ticked``)
@@ -539,7 +537,8 @@ class Speculator:
         whichever node is left).
 
         Every node's runs, less those of ``node`` and of the slow nodes (at most
-        ``PACE`` each): two bisects and a few comparisons, not a sorted copy per node.
+        ``PACE`` each): two bisects and a few comparisons, not a sorted copy per node; and
+        the others' runs in progress past ``x``: a bisect, less one per node left out.
         """
         done = self._done.get(name)
         if not done:
@@ -1087,10 +1086,19 @@ class Speculator:
         if not copy.duplicate:
             name = self.s.tasks[group.lead].category
             heapq.heappush(self._first_starts.setdefault(name, []), (copy.started, copy.id))
-            if len(group.keys) == 1 + len(group.consumers):  # a run, once it ends (_learn)
-                insort(self._lasting.setdefault(name, []), (copy.started, copy.id))
-                insort(self._lasting_on.setdefault((name, copy.node), []), (copy.started, copy.id))
-                self._lasting_of[copy.id] = (name, copy.node, copy.started)
+        key = self._lasting_key(group, copy)
+        if key is not None:
+            insort(self._lasting.setdefault(key[0], []), key[2:])
+            insort(self._lasting_on.setdefault(key[:2], []), key[2:])
+
+    def _lasting_key(self, group: Group, copy: Copy) -> tuple[str, str, float, int] | None:
+        """(category, node, started, copy id) of a lone first copy started on a node: a
+        run of its category once it ends (``State._learn``); else ``None``."""
+        if copy.duplicate or copy.node is None or copy.started is None:
+            return None
+        if len(group.keys) != 1 + len(group.consumers):
+            return None
+        return self.s.tasks[group.lead].category, copy.node, copy.started, copy.id
 
     def finished(self, group: Group, ev: TaskFinished, out: list[Instruction]) -> None:
         """Copy ``ev.copy`` of ``group`` won; the others are being cancelled."""
@@ -1368,16 +1376,16 @@ class Speculator:
             self.in_flight.add(copy.id)
             out.append(s.submit(g, copy, node=node))
 
-    def dropped(self, copy: int) -> None:
-        self.in_flight.discard(copy)
-        lasting = self._lasting_of.pop(copy, None)
-        if lasting is not None:
-            name, node, started = lasting
-            for runs in (self._lasting[name], self._lasting_on[(name, node)]):
-                del runs[bisect_left(runs, (started, copy))]
-        node = self._node_of.pop(copy, None)
-        if node is not None:
-            del self._running[node][copy]
+    def dropped(self, group: Group, copy: Copy) -> None:
+        self.in_flight.discard(copy.id)
+        node = self._node_of.pop(copy.id, None)
+        if node is None:  # never started: in no index
+            return
+        del self._running[node][copy.id]
+        key = self._lasting_key(group, copy)
+        if key is not None:
+            for runs in (self._lasting[key[0]], self._lasting_on[key[:2]]):
+                del runs[bisect_left(runs, key[2:])]
 
     def stopped(self) -> None:
         """The compute stopped: no copy runs."""
@@ -1388,7 +1396,6 @@ class Speculator:
         self._first_starts.clear()
         self._lasting.clear()
         self._lasting_on.clear()
-        self._lasting_of.clear()
 
     def validate(self) -> None:
         dups = {cid for g in self.s.groups.values() for cid, c in g.copies.items() if c.duplicate}
@@ -1421,18 +1428,12 @@ class Speculator:
         assert {(n, cid) for n, d in self._running.items() for cid in d} == {
             (n, cid) for cid, n in running.items()
         }
-        lasting = {
-            cid: (self.s.tasks[g.lead].category, c.node, c.started)
-            for g in self.s.groups.values()
-            if len(g.keys) == 1 + len(g.consumers)
-            for cid, c in g.copies.items()
-            if not c.duplicate and c.started is not None and c.node is not None
-        }
-        assert self._lasting_of == lasting, (self._lasting_of, lasting)
-        got = sorted((name, t, cid) for name, runs in self._lasting.items() for t, cid in runs)
-        assert got == sorted((name, t, cid) for cid, (name, _, t) in lasting.items()), got
-        on = sorted((*k, t, cid) for k, runs in self._lasting_on.items() for t, cid in runs)
-        assert on == sorted((*v[:2], v[2], cid) for cid, v in lasting.items()), on
+        keys = [self._lasting_key(g, c) for g in self.s.groups.values() for c in g.copies.values()]
+        lasting = sorted(k for k in keys if k is not None)
+        got = sorted((name, *run) for name, runs in self._lasting.items() for run in runs)
+        assert got == sorted((k[0], *k[2:]) for k in lasting), (got, lasting)
+        on = sorted((*k, *run) for k, runs in self._lasting_on.items() for run in runs)
+        assert on == lasting, (on, lasting)
         for runs in (*self._lasting.values(), *self._lasting_on.values()):
             assert runs == sorted(runs)
         for c in self.s.categories.values():

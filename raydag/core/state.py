@@ -402,7 +402,7 @@ class State:
             if cid != ev.copy:
                 self.out.append(Cancel(cid, copy.node if self.is_alive(copy.node) else None))
             del self.copies[cid]
-            self.speculator.dropped(cid)
+            self.speculator.dropped(group, copy)
             self._placed(copy)
         self.used -= group.cost * len(group.copies)
         self._learn(group, ev)
@@ -640,9 +640,10 @@ class State:
         return copy
 
     def drop_copy(self, group: Group, copy: int) -> None:
-        self._placed(group.copies.pop(copy))
+        gone = group.copies.pop(copy)
+        self._placed(gone)
         del self.copies[copy]
-        self.speculator.dropped(copy)
+        self.speculator.dropped(group, gone)
         self.used -= group.cost
 
     def submit(
@@ -727,7 +728,7 @@ class State:
         for cid, copy in group.copies.items():
             out.append(Cancel(cid))
             del self.copies[cid]
-            self.speculator.dropped(cid)
+            self.speculator.dropped(group, copy)
             self._placed(copy)
         self.used -= group.cost * len(group.copies)
         for m in group.keys:
