@@ -112,9 +112,16 @@ def child(args: argparse.Namespace) -> None:
     json.dump(result, sys.stdout)
 
 
-def spawn(path: str, tree: str, *extra: str) -> dict:
-    """Run a child with ``tree``'s raydag first on the path."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]))
+def spawn(path: str, tree: str, *extra: str, hash_seed: int = 0) -> dict:
+    """Run a child with ``tree``'s raydag first on the path. Its string hashes are
+    seeded (``hash_seed``): the order of a set of keys decides ties, and a run with
+    random hashes is not the same compute twice (A and B of one draw would differ by
+    more than their trees)."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]),
+        PYTHONHASHSEED=str(hash_seed),
+    )
     out = subprocess.run(
         [sys.executable, __file__, "--child", path, *extra],
         env=env,
@@ -210,7 +217,7 @@ def main() -> None:
                 for name, tree in trees:
                     profile = args.profile and size == max(sizes) and pol == "on" and name == "B"
                     extra = ["--policies", pol] + (["--profile"] if profile else [])
-                    r = spawn(path, tree, *extra)
+                    r = spawn(path, tree, *extra, hash_seed=draw)
                     r.update(
                         size=len(graph),
                         policies=pol,

@@ -208,6 +208,77 @@ def test_the_others_long_runs_in_progress_are_in_the_yardstick():
     assert took[True] <= took[False] + 1e-9, took
 
 
+def chains(consumers: list[str], short: float = 1.0) -> tuple[dict, dict, list]:
+    """One ``load-i`` (0.5 s) per consumer, read by it (``heavy-i``: 20 s; else
+    ``short`` s), in that order of priority, and ``total`` reading the consumers."""
+    deps: dict = {}
+    length: dict = {}
+    for i, cat in enumerate(consumers):
+        deps[f"load-{i}"], length[f"load-{i}"] = set(), 0.5
+        deps[f"{cat}-{i}"] = {f"load-{i}"}
+        length[f"{cat}-{i}"] = 20.0 if cat == "heavy" else short
+    deps["total"] = {k for k in deps if not k.startswith("load")}
+    length["total"] = 0.1
+    return deps, length, ["total"]
+
+
+def _starts(c: Cluster) -> dict:
+    return {sub.root: t for _, sub, t in c.placed}
+
+
+def test_what_feeds_long_work_goes_first_and_so_does_the_long_work_it_fed():
+    """Two hour-long tasks (20 s here, long-task 5 s) among 22 short chains, the second
+    one's input last in dask's order. Once the first has run 5 s (no run of it has
+    ended), the second's load goes next, and its heavy task as soon as the load ends,
+    not after the 20 short chains' work; a short category whose runs end in less does
+    not count as long however its tasks compare."""
+    deps, length, outputs = chains(["heavy"] + ["proc"] * 20 + ["heavy"])
+    took = {}
+    for long_task in (None, 5.0):
+        c = Cluster(3, None, 1.0)
+        sp = Speculation(enabled=True, long_task=long_task)
+        took[long_task], s = simulate(make(deps, outputs, 3, sp), c, length)
+        assert s.done
+        start = _starts(c)
+        if long_task is None:  # the order: heavy-21's load after every short chain
+            assert start["load-21"] > max(start[f"proc-{i}"] for i in range(1, 21))
+            continue
+        assert s.speculator.lasts_long == {"heavy"}
+        # heavy-0 started at 0.5 s: at 5.5 s heavy lasts long, and the next CPU free is
+        # load-21's
+        assert start["load-21"] == min(t for t in start.values() if t >= 5.5), start
+        assert start["heavy-21"] == pytest.approx(start["load-21"] + 0.5)
+        assert sum(start[f"proc-{i}"] > start["load-21"] for i in range(1, 21)) >= 10
+    assert took[5.0] < 0.8 * took[None], took
+
+
+def test_feeders_go_first_only_while_no_fed_long_task_waits():
+    """Twelve chains, every consumer long: once ``heavy`` lasts long every load feeds it,
+    but a load starts only while no heavy task it fed waits ready and long tasks hold
+    less than half the slots (loads run ahead of nothing: their values would only wait
+    in the stores); the compute keeps dask's pace, within a load."""
+    deps, length, outputs = chains(["heavy"] * 12)
+    took = {}
+    for long_task in (None, 5.0):
+        c = Cluster(3, None, 1.0)
+        sp = Speculation(enabled=True, long_task=long_task)
+        took[long_task], s = simulate(make(deps, outputs, 3, sp), c, length)
+    assert s.done and s.speculator.lasts_long == {"heavy"}
+    # within one load's time: a feeder may go while one long task holds the 3 slots
+    assert took[5.0] <= took[None] + 0.5 + 1e-9, took
+    took = took[5.0]
+    start = _starts(c)
+    for i in range(12):
+        t = start[f"load-{i}"]
+        waiting = [
+            j
+            for j in range(12)
+            if start[f"load-{j}"] + 0.5 <= t < start[f"heavy-{j}"] and j in s.speculator.fed
+        ]
+        assert not waiting, (i, t, waiting)
+    assert took <= 4 * (20.0 + 0.5) + 0.1 + 1.0, took  # 12 x 20.5 s over 3 CPUs
+
+
 def test_hung_node_never_hangs_the_compute():
     deps, length, outputs = bag(mixed(24))
     c = Cluster(3, "n1", math.inf)

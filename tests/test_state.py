@@ -38,6 +38,7 @@ from raydag.core.events import (
 )
 from raydag.core.fusion import CONSUMERS_SHARE, PROBES, Fusion
 from raydag.core.placement import Placement
+from raydag.core.records import PROCESSING
 from raydag.core.speculation import Speculation
 from raydag.core.state import State
 
@@ -564,6 +565,10 @@ class Driver:
         """May this task go before its priority says (speculation: see ``SpecDriver``)?"""
         return False
 
+    def _boosted_now(self, key) -> bool:
+        """... and at the end of the event, when the next one would go?"""
+        return self._boosted(key)
+
     def _ready(self) -> set:
         return {
             k
@@ -590,7 +595,7 @@ class Driver:
         ready = self._ready()
         if ready:
             head = min(ready, key=self._rank)
-            boosted = [k for k in ready if self._boosted(k)]
+            boosted = [k for k in ready if self._boosted_now(k)]
             if boosted and self._rank(min(boosted, key=self._rank))[0] <= self._rank(head)[0]:
                 head = min(boosted, key=self._rank)  # never ahead of a recovery wave
             for sub in new:  # recovery, then higher priority, first: nothing better waits
@@ -993,9 +998,26 @@ class SpecDriver(Driver):
         return sub.group
 
     def _boosted(self, key) -> bool:
-        """Known long while a node straggles: it may go first (``short_handed``)."""
+        """Known long while a node straggles (``short_handed``), fed long work, or a
+        feeder of long work while none of that is ready: it may go first
+        (``long_work_first``)."""
         sp = self.state.speculator
-        return sp.short_handed() and sp.known_long(key)
+        if sp.short_handed() and sp.known_long(key):
+            return True
+        if sp.fed_long(key):
+            return True
+        return sp.feeds_long(key) and not any(sp.fed_long(k) for k in self._ready())
+
+    def _boosted_now(self, key) -> bool:
+        """A feeder only while long tasks hold less than half the slots: earlier in
+        the event they may have held fewer."""
+        sp, tasks = self.state.speculator, self.state.tasks
+        if not self._boosted(key):
+            return False
+        if not sp.feeds_long(key) or sp.fed_long(key) or sp.short_handed() and sp.known_long(key):
+            return True
+        long = sum(ts.state == PROCESSING and ts.category in sp.lasts_long for ts in tasks.values())
+        return 2 * long < self.state.capacity
 
     def copy_group(self, cid: int) -> int:
         return self.group_of[cid]

@@ -558,7 +558,13 @@ class State:
             ts = tasks.get(k)
             if ts is not None:
                 ts.priority = p
-        for heap in (self.ready, self.ready_sources, self.speculator.ready_long):
+        for heap in (
+            self.ready,
+            self.ready_sources,
+            self.speculator.ready_long,
+            self.speculator.ready_lasting,
+            self.speculator.ready_feeders,
+        ):
             # stale entries (no longer ready) go; a key ready twice keeps both, as before
             heap[:] = [(e[0], tasks[e[-1]].priority, *e[2:]) for e in heap
                        if tasks[e[-1]].state == READY]  # fmt: skip
@@ -782,6 +788,7 @@ class State:
             ):
                 return
             heapq.heappop(heap)
+            self.speculator.took(heap, key)
             bundle = self.bundler.group(key)
             consumers: tuple = ()
             if bundle is not None:
@@ -817,13 +824,18 @@ class State:
 
     def next_ready(self) -> list | None:
         """The heap whose top runs next: by priority, but consumers first while a store
-        is full (what they read is freed when they finish; a source only adds), and a
-        task known long first while the cluster is short-handed (speculation)."""
+        is full (what they read is freed when they finish; a source only adds), what
+        feeds long work, and the long work so fed, first (speculation), and a task known
+        long first while the cluster is short-handed (speculation)."""
         tasks = self.tasks
         for h in (self.ready, self.ready_sources):
             while h and tasks[h[0][-1]].state != READY:  # fused into a group, or input lost
                 heapq.heappop(h)
         tops = [h[0] for h in (self.ready, self.ready_sources) if h]
+        if not self.placer.any_full:
+            first = self.speculator.long_work_first(tops)
+            if first is not None:
+                return first
         long = self.speculator.long_first(tops)
         if long is not None:
             return long
@@ -848,6 +860,10 @@ class State:
             assert in_heap == {k for k, ts in tasks.items() if ts.state == READY}
             long_ready = {k for k in in_heap if self.speculator.known_long(k)}
             assert long_ready <= {e[-1] for e in self.speculator.ready_long}, long_ready
+            lasting = {k for k in in_heap if self.speculator.fed_long(k)}
+            assert lasting <= {e[-1] for e in self.speculator.ready_lasting}, lasting
+            feeders = {k for k in in_heap if self.speculator.feeds_long(k)}
+            assert feeders <= {e[-1] for e in self.speculator.ready_feeders}, feeders
         for ts in tasks.values():
             self._validate_task(ts, stopped)
         for n in self.nodes.values():
