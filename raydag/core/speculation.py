@@ -59,7 +59,7 @@ user's shape, 60k tasks on 280 x 12 CPUs, simulated, ``tests/simcluster.py``): 5
 the last of those loads at 0.59 h, and the compute ends at 2.24 h against a critical
 path of 1.83 h. The first ``heavy`` copies start at once; 10 minutes in, ``heavy``
 lasts long (``process``, 7 minutes on average, does not: most of its runs ended in
-less), the 300-odd loads feeding it not yet read go next, their ``heavy`` tasks follow,
+less), the loads feeding it not yet read go next, their ``heavy`` tasks follow,
 the last by 0.24 h, and the compute ends at 2.0 h.
 
 **Slow nodes, judged against the others.** For each lone run ``x`` of a category on
