@@ -17,8 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from raydag.core.events import Cancel, Submit, TaskFinished, TaskStarted, Tick
+from raydag.core.events import Cancel, NodeDied, Submit, TaskFinished, TaskStarted, Tick
 from raydag.core.fusion import Fusion
+from raydag.core.records import MEMORY
 from raydag.core.speculation import Speculation
 from raydag.core.state import State
 
@@ -277,6 +278,53 @@ def test_feeders_go_first_only_while_no_fed_long_task_waits():
         ]
         assert not waiting, (i, t, waiting)
     assert took <= 4 * (20.0 + 0.5) + 0.1 + 1.0, took  # 12 x 20.5 s over 3 CPUs
+
+
+def test_every_long_copy_is_insured_at_the_tail_not_max_in_flight_of_them():
+    """Three 20-s tasks (long-task 5 s, their category known long) and three 1-s tasks
+    overdue, on six one-CPU nodes, three idle, ``max-in-flight`` 1: at the tail each long
+    copy gets its duplicate (losing its node would cost up to its 20 s; a duplicate, a
+    worker's start and a cancel), the short stragglers one between them. When n0 dies
+    10 s in, its task's duplicate runs on: the compute does not start it again."""
+    deps = {f"heavy-{i}": set() for i in range(3)}
+    deps["total"] = set(deps)
+    sp = Speculation(enabled=True, long_task=5.0, max_in_flight=1)
+    s = make(deps, ["total"], nodes=6, sp=sp)
+    for x, n in [(19.0, "n3"), (21.0, "n4"), (20.0, "n5")]:
+        s.speculator.learn(s.category("heavy"), x, n)
+    firsts = [i for i in s.start() if isinstance(i, Submit)]
+    for sub, node in zip(firsts, ("n0", "n1", "n2"), strict=True):
+        assert s.handle(TaskStarted(sub.copy, node, 0.0)) == []
+    dups = s.handle(Tick(0.25, {"n3": 1.0, "n4": 1.0, "n5": 1.0}))
+    assert sorted(d.root for d in dups) == sorted(deps.keys() - {"total"}), dups
+    assert all(d.duplicate and d.node in {"n3", "n4", "n5"} for d in dups)
+    assert s.speculator.insuring == {d.copy for d in dups}
+    s.validate_state()
+    (dup,) = [d for d in dups if d.root == firsts[0].root]  # the copy on n0's
+    for d in dups:
+        s.handle(TaskStarted(d.copy, d.node, 0.25))
+    out = s.handle(NodeDied("n0", "test"))
+    assert not [i for i in out if isinstance(i, Submit)], out  # its duplicate runs on
+    s.validate_state()
+    out = s.handle(TaskFinished(dup.copy, {dup.root: 20.0}, 8, dup.node, 0.25))
+    assert s.tasks[dup.root].state == MEMORY, out
+
+
+def test_short_stragglers_stay_within_max_in_flight():
+    """Three 1-s tasks (their category known short) overdue on three nodes, three idle
+    at the tail, ``max-in-flight`` 1: one duplicate, the longest time left first."""
+    deps = {f"f-{i}": set() for i in range(3)}
+    deps["total"] = set(deps)
+    sp = Speculation(enabled=True, long_task=5.0, max_in_flight=1)
+    s = make(deps, ["total"], nodes=6, sp=sp)
+    for x, n in [(1.0, "n3"), (1.1, "n4"), (0.9, "n5")] * 2:
+        s.speculator.learn(s.category("f"), x, n)
+    firsts = [i for i in s.start() if isinstance(i, Submit)]
+    for sub, node in zip(firsts, ("n0", "n1", "n2"), strict=True):
+        s.handle(TaskStarted(sub.copy, node, 0.0))
+    (dup,) = s.handle(Tick(3.0, {"n3": 1.0, "n4": 1.0, "n5": 1.0}))
+    assert dup.duplicate and not s.speculator.insuring
+    assert s.handle(Tick(3.25, {"n4": 1.0, "n5": 1.0})) == []
 
 
 def test_hung_node_never_hangs_the_compute():

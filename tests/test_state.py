@@ -984,6 +984,7 @@ class SpecDriver(Driver):
         self.live: dict[int, set] = {}  # group -> its live copies
         self.group_of: dict[int, int] = {}  # live copy -> its group
         self.dups: dict[int, Submit] = {}  # duplicate copy id -> its Submit
+        self.insurable: set[int] = set()  # of them, those that may be insurance
         self.node: dict[int, str] = {}  # copy -> node, once known
         self.started: dict[int, float] = {}
         self.now = 0.0
@@ -1032,6 +1033,7 @@ class SpecDriver(Driver):
         gid = self.group_of.pop(cid)
         self.live[gid].discard(cid)
         self.dups.pop(cid, None)
+        self.insurable.discard(cid)
         self.node.pop(cid, None)
         self.started.pop(cid, None)
 
@@ -1107,7 +1109,13 @@ class SpecDriver(Driver):
         self.launched[gid] = self.launched.get(gid, 0) + 1
         # a straggler whose duplicates all went (preempted, dead) may get another
         assert self.launched[gid] <= sp.max_copies or straggler, ("too many duplicates", sub)
-        assert len(self.dups) < sp.max_in_flight, ("too many duplicates", sub)
+        # beyond max-in-flight only insurance: a copy of a task that lasts long-task
+        # (its category's runs, every one alike; or, none known, its own run so far)
+        lasts = sp.long_task is not None and (mean if mean is not None else ran) >= sp.long_task
+        capped = [d for d in self.dups if d not in self.insurable]
+        assert lasts or len(capped) < sp.max_in_flight, ("too many duplicates", sub)
+        if lasts:
+            self.insurable.add(sub.copy)
         self.live[gid].add(sub.copy)
         self.group_of[sub.copy] = gid
         self.dups[sub.copy] = sub
