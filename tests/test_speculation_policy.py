@@ -17,7 +17,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from raydag.core.events import Cancel, NodeDied, Submit, TaskFinished, TaskStarted, Tick
+from raydag.core.events import (
+    Cancel,
+    NodeDied,
+    Submit,
+    TaskErred,
+    TaskFinished,
+    TaskStarted,
+    Tick,
+)
 from raydag.core.fusion import Fusion
 from raydag.core.records import MEMORY
 from raydag.core.speculation import Speculation
@@ -281,15 +289,15 @@ def test_feeders_go_first_only_while_no_fed_long_task_waits():
 
 
 def test_every_long_copy_is_insured_at_the_tail_not_max_in_flight_of_them():
-    """Three 20-s tasks (long-task 5 s, their category known long) and three 1-s tasks
-    overdue, on six one-CPU nodes, three idle, ``max-in-flight`` 1: at the tail each long
-    copy gets its duplicate (losing its node would cost up to its 20 s; a duplicate, a
-    worker's start and a cancel), the short stragglers one between them. When n0 dies
-    10 s in, its task's duplicate runs on: the compute does not start it again."""
+    """Three 20-s tasks (long-task 5 s, their category known long) on seven one-CPU
+    nodes, ``max-in-flight`` 1: at the tail each long copy gets its duplicate (losing its
+    node would cost up to its 20 s; a duplicate, a worker's start and a cancel). When n0
+    dies 10 s in, its task's duplicate runs on, and is insured in turn on the CPU left
+    idle: ``max-copies`` counts no copy lost with its node."""
     deps = {f"heavy-{i}": set() for i in range(3)}
     deps["total"] = set(deps)
     sp = Speculation(enabled=True, long_task=5.0, max_in_flight=1)
-    s = make(deps, ["total"], nodes=6, sp=sp)
+    s = make(deps, ["total"], nodes=7, sp=sp)
     for x, n in [(19.0, "n3"), (21.0, "n4"), (20.0, "n5")]:
         s.speculator.learn(s.category("heavy"), x, n)
     firsts = [i for i in s.start() if isinstance(i, Submit)]
@@ -303,11 +311,16 @@ def test_every_long_copy_is_insured_at_the_tail_not_max_in_flight_of_them():
     (dup,) = [d for d in dups if d.root == firsts[0].root]  # the copy on n0's
     for d in dups:
         s.handle(TaskStarted(d.copy, d.node, 0.25))
-    out = s.handle(NodeDied("n0", "test"))
-    assert not [i for i in out if isinstance(i, Submit)], out  # its duplicate runs on
+    s.handle(NodeDied("n0", "test"))
+    out = s.handle(TaskErred(firsts[0].copy, dup.root, ConnectionError(), node_died=True))
+    assert out == [], out  # its duplicate runs on: no restart
     s.validate_state()
+    (again,) = s.handle(Tick(10.25, {"n6": 1.0}))
+    assert (again.root, again.node, again.duplicate) == (dup.root, "n6", True)
+    s.handle(TaskStarted(again.copy, "n6", 10.25))
     out = s.handle(TaskFinished(dup.copy, {dup.root: 20.0}, 8, dup.node, 0.25))
     assert s.tasks[dup.root].state == MEMORY, out
+    assert [i.copy for i in out if isinstance(i, Cancel)] == [again.copy]
 
 
 def test_short_stragglers_stay_within_max_in_flight():

@@ -1209,6 +1209,8 @@ class SpecDriver(Driver):
         if others:
             assert out == [], ("restarted though a copy runs on", out)
             self.spared += 1
+            # the copy left stands alone, as a first copy: it may be duplicated again
+            self.launched[gid] = max(0, self.launched.get(gid, 0) - 1)
         else:
             # the retry goes where Ray puts it (the first may have been sent to the node
             # where a duplicate had just won), away from a slow node, or at the tail

@@ -204,7 +204,9 @@ class Group:
     copies: dict = field(default_factory=dict)  # copy id -> Copy
     # when a copy died with its node while a duplicate ran on (for ``Won.saved``)
     spared_at: float | None = None
-    duplicated: int = 0  # duplicates started, ever: capped by Speculation.max_copies
+    # duplicates started, less copies lost with their node while another ran on:
+    # capped by Speculation.max_copies (``Speculator.spared``)
+    duplicated: int = 0
     returns: tuple = ()  # the kept values when several (bundle pieces, consumers)
     # Consumers run in the task of the key they read, last in ``keys``.
     consumers: tuple = ()

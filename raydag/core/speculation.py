@@ -1521,6 +1521,16 @@ class Speculator:
                 self.insuring.add(copy.id)
             out.append(s.submit(g, copy, node=node))
 
+    def spared(self, group: Group) -> None:
+        """A copy of ``group`` died with its node and another runs on: that one stands
+        alone now, as a first copy does, and may be duplicated again. ``max_copies``
+        counts duplicates started so that a task is not duplicated, cancelled and
+        duplicated again (churn); a copy lost with its node is no churn, and the one
+        left is as exposed as the first was: an hour-long task whose insurance copy
+        went with its node 0.7 h before the first copy's did started again from zero
+        (the simulated 280 x 12 cluster, 1.86x its bound)."""
+        group.duplicated = max(0, group.duplicated - 1)
+
     def dropped(self, group: Group, copy: Copy) -> None:
         self.in_flight.discard(copy.id)
         self.insuring.discard(copy.id)

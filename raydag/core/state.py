@@ -484,6 +484,8 @@ class State:
                 if ev.node_died and not group.copies[ev.copy].duplicate:
                     group.spared_at = self.now
                 self.drop_copy(group, ev.copy)
+                if ev.node_died:
+                    self.speculator.spared(group)
                 return
             # The task's own error, whichever copy raised it: the others stop.
             for cid in [c for c in group.copies if c != ev.copy]:
