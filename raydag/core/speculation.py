@@ -1446,6 +1446,10 @@ class Speculator:
             out.append((-left, s.tasks[g.lead].priority, g.id, left, fresh, late, insures))
         return sorted(out)
 
+    def _capped(self) -> bool:
+        """Are ``max_in_flight`` duplicates in flight, insurance not counted?"""
+        return len(self.in_flight) - len(self.insuring) >= self.settings.max_in_flight
+
     def _insures(self, left: float, fresh: float) -> bool:
         """Is a duplicate of a copy with ``left`` seconds expected left, of a task
         ``fresh`` seconds afresh, insurance beyond ``max_in_flight``? When both last
@@ -1475,7 +1479,7 @@ class Speculator:
             return
         if s.next_ready() is not None:  # first copies go first
             return
-        capped = len(self.in_flight) - len(self.insuring) >= sp.max_in_flight
+        capped = self._capped()
         if s.used >= s.capacity or (capped and sp.long_task is None):
             return
         idle = {n.id: n.free for n in s.nodes.values() if n.free > 0 and n.alive}
@@ -1484,7 +1488,7 @@ class Speculator:
         if not tick and any(c.node is None for g in s.groups.values() for c in g.copies.values()):
             return
         for _, _, gid, left, fresh, late, insures in self._candidates(capped):
-            if not insures and len(self.in_flight) - len(self.insuring) >= sp.max_in_flight:
+            if not insures and self._capped():
                 continue
             g = s.groups[gid]
             if s.used + g.cost > s.capacity + 1e-9:
@@ -1561,7 +1565,7 @@ class Speculator:
         dups = {cid for g in self.s.groups.values() for cid, c in g.copies.items() if c.duplicate}
         assert dups == self.in_flight, (dups, self.in_flight)
         assert self.insuring <= self.in_flight, (self.insuring, self.in_flight)
-        assert len(self.in_flight - self.insuring) <= max(self.settings.max_in_flight, 0)
+        assert len(self.in_flight) - len(self.insuring) <= max(self.settings.max_in_flight, 0)
         for g in self.s.groups.values():
             assert len(g.copies) <= 1 + self.settings.max_copies, g
             for c in g.copies.values():
