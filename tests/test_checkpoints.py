@@ -194,6 +194,48 @@ def test_a_dearer_value_displaces_the_checkpoints_that_protect_least_per_byte():
     s.validate_state()
 
 
+def test_a_displaced_checkpoint_gives_its_lineage_back_to_the_values_made_from_it():
+    """The simulated 280 x 12 cluster's draw 7, small: ``c`` (65 s) reads ``f0`` (5 s),
+    made from ``s0``, whose checkpoint spares ``l0`` and ``s0`` (150 s). The store is full and ``c`` is refused
+    room (the cheapest checkpoint per byte, ``s0``, protects more than ``c`` would).
+    ``h`` (an hour) then displaces ``s0``: a loss of ``c`` would now rerun 220 s, so
+    ``c`` is offered again and written in the room left, and its loss reads it back.
+    Before, ``c`` stayed at 70 s, never written, and its node's loss ran its chain again."""
+    mb = 2**20
+    graph = {"q0": set(), "q1": set(), "l0": set(), "s0": {"l0"}, "f0": {"s0"}, "c": {"f0"}}
+    graph.update(x=set())
+    graph.update(h={"x"}, m={"q0", "q1", "c", "h"})
+    capped = dataclasses.replace(ON, max_size=300 * mb)
+    s = make(graph, ["m"], checkpoints=capped)
+    subs = {sub.keys[0]: sub for sub in submits(s.start())}
+
+    def done(key, seconds, nbytes):
+        out = s.handle(TaskFinished(subs[key].copy, {key: seconds}, nbytes))
+        s.validate_state()
+        subs.update({sub.keys[0]: sub for sub in submits(out)})
+        return out
+
+    for k in ("q0", "q1"):  # 2 s a MB
+        assert instructions(done(k, 200.0, 100 * mb), Checkpoint) == [Checkpoint(k)]
+        s.handle(CheckpointWritten(k, 100 * mb))
+    assert instructions(done("l0", 50.0, mb), Checkpoint) == []  # 50 s: not worth it
+    assert instructions(done("s0", 100.0, 100 * mb), Checkpoint) == [Checkpoint("s0")]
+    s.handle(CheckpointWritten("s0", 100 * mb))  # 1.5 s a MB; the store is full
+    assert instructions(done("f0", 5.0, mb), Checkpoint) == []
+    assert instructions(done("c", 65.0, 10 * mb), Checkpoint) == []  # no room
+    assert s.tasks["c"].behind == 70.0
+    done("x", 10.0, mb)
+    out = done("h", 3600.0, 60 * mb)
+    assert instructions(out, RemoveCheckpoints) == [RemoveCheckpoints(("s0",))]
+    assert instructions(out, Checkpoint) == [Checkpoint("h"), Checkpoint("c")]
+    assert s.tasks["c"].behind == 220.0  # its own 70 s, and s0's lineage again
+    s.handle(CheckpointWritten("c", 10 * mb))
+    out = s.handle(ResultsLost(("c",), "gone"))
+    (wave,) = instructions(out, Recover)
+    assert set(wave.recompute) == {"c"}  # read back: l0 and s0 do not run again
+    s.validate_state()
+
+
 @pytest.mark.parametrize("keep", [False, True])
 def test_a_checkpoint_whose_readers_are_all_written_goes_and_frees_its_room(keep):
     """min-cost 0, room for two 8-byte values. Once ``b`` is written, ``a``'s checkpoint

@@ -93,7 +93,7 @@ from raydag.core.events import (
     DropCheckpoints,
     RemoveCheckpoints,
 )
-from raydag.core.records import MEMORY, WAITING
+from raydag.core.records import MEMORY, RELEASED, WAITING
 
 if TYPE_CHECKING:
     from raydag.core.events import Instruction, TaskErred, TaskFinished
@@ -223,6 +223,8 @@ class Checkpointer:
         # the checkpoints held (``_bytes``), cheapest per byte first: what a dearer
         # value displaces
         self._held = LazyHeap()
+        # values in memory whose lineage cost rose (a checkpoint above them displaced)
+        self._offers: list[Key] = []
         self.marks = {k: bool(v) for k, v in (marks or {}).items() if k in state.tasks}
         if self.enabled and settings.resume:
             for k in found:
@@ -288,6 +290,7 @@ class Checkpointer:
             elif ts.behind > 0:
                 self._expose(ts)
         if not last:
+            self._offer_again(out)
             self._bound(out)
 
     def _cost(self, ts: TaskState) -> float:
@@ -344,8 +347,48 @@ class Checkpointer:
         for k in gone:
             tasks[k].durable = None
             self._unhold(k)
+            self._unspare(tasks[k])
         out.append(RemoveCheckpoints(gone))
         return True
+
+    def _unspare(self, ts: TaskState) -> None:
+        """``ts``'s checkpoint was displaced: a loss below it reruns its lineage again.
+        Its lineage cost goes back onto the values made from it (as ``_supersede`` moves
+        an input's onto the value that supersedes it), down to the first durable ones;
+        those in memory are offered again (``_offer_again``): a value refused room while
+        its inputs were written (132 s of lineage, say) may protect 1,000 s once they
+        are gone, more than what took their room."""
+        tasks, cost = self.s.tasks, ts.behind
+        seen, todo = {ts.key}, list(ts.dependents)
+        while todo:
+            t = tasks[todo.pop()]
+            if t.key in seen or t.durable is not None or t.given:
+                continue  # a loss below a durable value stops there
+            seen.add(t.key)
+            if t.state == MEMORY:
+                t.behind += cost
+                if t.key in self.exposed:
+                    self._expose(t)  # at its new cost
+                self._offers.append(t.key)
+            elif t.state != RELEASED:
+                continue  # not made yet: its cost is its inputs' when it is
+            todo.extend(t.dependents)
+
+    def _offer_again(self, out: list[Instruction]) -> None:
+        """The values in memory whose lineage cost rose (``_unspare``) are weighed again:
+        written if now worth it and there is room, else exposed at their new cost. After
+        a group's own values: the room they took is taken. Those of a displacement by
+        ``_bound`` wait for the next group."""
+        tasks = self.s.tasks
+        while self._offers:
+            ts = tasks[self._offers.pop()]
+            if ts.state != MEMORY or ts.durable is not None or not self._allowed(ts):
+                continue
+            if self._worth(ts):
+                if self._room(ts, out):
+                    self._write(ts, out)
+            else:
+                self._expose(ts)
 
     def _worth(self, ts: TaskState) -> bool:
         """Worth writing by itself: forced, or its loss would redo ``min_cost``."""
