@@ -51,7 +51,9 @@ outlives both (a directory, a shared filesystem, an object store: any fsspec URL
   writing fill the store and the dearest come too late for room: at the founding
   user's shape, its hour-long tasks wait behind minute-long 150-MB loads. A checkpoint
   being written, or being read back, is not displaced. A checkpoint's seconds are what
-  losing it would redo: when it supersedes its inputs' checkpoints, theirs add to it.
+  losing it would redo: when it supersedes its inputs' checkpoints, theirs add to it;
+  when it is displaced, its own go back onto the values made from it (down to the first
+  durable ones), and those in memory are weighed again (written if now worth it).
 - **hygiene**: once the compute is done, ``DropCheckpoints`` (unless ``keep``).
 
 Worked example: ``a -> b -> c`` (output ``c``), ``min_cost=60``; ``a`` runs 50 s,
