@@ -6,8 +6,9 @@ The real ``raydag.core.state.State`` is fed the events the Ray layer would repor
 ``Submit`` runs as a copy on a node (a soft node choice is honoured if that node has a
 free CPU, a duplicate runs on its node only, anything else goes where Ray's locality
 would send it: the node holding most of its input bytes if it has a free CPU, else the
-node with the most free CPUs); ``Cancel`` stops a copy; ``Release`` frees its value's
-bytes in the node's store. Nodes are evicted as a batch pool evicts them (a Poisson
+node with the most free CPUs; a copy whose input is gone with its node fails to fetch
+it, ``InputLost``, as on Ray without retries of its own); ``Cancel`` stops a copy;
+``Release`` frees its value's bytes in the node's store. Nodes are evicted as a batch pool evicts them (a Poisson
 rate per node-hour) and replaced after a delay by fresh nodes. Every call into the
 state machine is timed with ``time.process_time`` apart from the simulator's own work.
 
@@ -40,6 +41,7 @@ from raydag.core.events import (
     CheckpointWritten,
     CpusChanged,
     Fail,
+    InputLost,
     NodeDied,
     Recover,
     Release,
@@ -501,6 +503,10 @@ class Sim:
         return self.g.durations[key]
 
     def _run(self, sub: Submit, node: int, cpus: float) -> None:
+        gone = tuple(k for k in sub.inputs if k not in self.values)
+        if gone:  # lost with their node: on Ray (no retries of its own) the copy fails
+            self.inbox.append(InputLost(sub.copy, gone, "input lost with its node"))
+            return
         self._take(node, cpus)
         end = self.t + sum(self._seconds(k, sub.restore) for k in sub.keys)
         self.running[sub.copy] = Running(
