@@ -323,6 +323,36 @@ def test_every_long_copy_is_insured_at_the_tail_not_max_in_flight_of_them():
     assert [i.copy for i in out if isinstance(i, Cancel)] == [again.copy]
 
 
+def test_no_copy_is_insured_whose_input_went_with_a_dead_node():
+    """``heavy`` reads ``load``, made on n0; its first copy runs on n0 and is insured on
+    n1. n0 dies: ``load`` stays in memory for the state machine while the copy on n1,
+    which has read it, runs on (``Recoverer.lost_with_dead_nodes``), but a new copy could
+    not fetch it: on Ray it would fail, and the wave after it would reset the group,
+    cancelling the copy on n1 too. So the copy left is not insured again, whatever CPUs
+    are idle; it runs on and finishes the compute."""
+    deps = {"load": set(), "heavy": {"load"}, "total": {"heavy"}}
+    sp = Speculation(enabled=True, long_task=5.0)
+    s = make(deps, ["total"], nodes=4, sp=sp)
+    for x, n in [(19.0, "n1"), (21.0, "n2"), (20.0, "n3")]:
+        s.speculator.learn(s.category("heavy"), x, n)
+    (load,) = [i for i in s.start() if isinstance(i, Submit)]
+    s.handle(TaskStarted(load.copy, "n0", 0.0))
+    (first,) = [i for i in s.handle(TaskFinished(load.copy, {"load": 1.0}, 8, "n0", 0.0))
+                if isinstance(i, Submit)]  # fmt: skip
+    assert first.keys == ("heavy",), first
+    s.handle(TaskStarted(first.copy, "n0", 1.0))
+    (dup,) = s.handle(Tick(1.25, {"n1": 1.0}))
+    assert (dup.root, dup.node, dup.duplicate) == ("heavy", "n1", True)
+    s.handle(TaskStarted(dup.copy, "n1", 1.25))
+    s.handle(NodeDied("n0", "test"))
+    out = s.handle(TaskErred(first.copy, "heavy", ConnectionError(), node_died=True))
+    assert out == [] and s.tasks["load"].state == MEMORY, out  # the copy on n1 read it
+    assert s.handle(Tick(2.0, {"n2": 1.0, "n3": 1.0})) == []  # no copy can read load
+    s.validate_state()
+    out = s.handle(TaskFinished(dup.copy, {"heavy": 20.0}, 8, "n1", 1.25))
+    assert [i.keys for i in out if isinstance(i, Submit)] == [("total",)], out
+
+
 def test_short_stragglers_stay_within_max_in_flight():
     """Three 1-s tasks (their category known short) overdue on three nodes, three idle
     at the tail, ``max-in-flight`` 1: one duplicate, the longest time left first."""
