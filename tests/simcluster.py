@@ -8,8 +8,9 @@ free CPU, a duplicate runs on its node only, anything else goes where Ray's loca
 would send it: the node holding most of its input bytes if it has a free CPU, else the
 node with the most free CPUs; a copy whose input is gone with its node fails to fetch
 it, ``InputLost``, as on Ray without retries of its own); ``Cancel`` stops a copy;
-``Release`` frees its value's bytes in the node's store. Nodes are evicted as a batch pool evicts them (a Poisson
-rate per node-hour) and replaced after a delay by fresh nodes. Every call into the
+``Release`` frees its value's bytes in the node's store. Nodes are evicted as a batch
+pool evicts them (a Poisson rate per node-hour) and replaced after a delay by fresh
+nodes. Every call into the
 state machine is timed with ``time.process_time`` apart from the simulator's own work.
 
 Shared by ``bench/simcluster.py`` (280 nodes x 12 CPUs, the founding user's graph at

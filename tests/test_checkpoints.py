@@ -47,6 +47,21 @@ def run_chain(s, seconds: dict) -> dict:
     return outs
 
 
+def capped_run(graph: dict, outputs: list, max_size: int) -> tuple:
+    """A state under ``max_size`` of checkpoints, started, and ``done(key, seconds,
+    nbytes)``: finish ``key``'s copy (one key a group), check the state, return the out."""
+    s = make(graph, outputs, checkpoints=dataclasses.replace(ON, max_size=max_size))
+    subs = {sub.keys[0]: sub for sub in submits(s.start())}
+
+    def done(key, seconds, nbytes):
+        out = s.handle(TaskFinished(subs[key].copy, {key: seconds}, nbytes))
+        s.validate_state()
+        subs.update({sub.keys[0]: sub for sub in submits(out)})
+        return out
+
+    return s, done
+
+
 # ---- the policy, on the state machine alone ----------------------------------------
 
 
@@ -169,15 +184,7 @@ def test_a_dearer_value_displaces_the_checkpoints_that_protect_least_per_byte():
     mb = 2**20
     graph = {"l0": set(), "l1": set(), "l2": set(), "x": set(), "h": {"l2"}}
     graph["m"] = {"l0", "l1", "h", "x"}
-    capped = dataclasses.replace(ON, max_size=300 * mb)
-    s = make(graph, ["m"], checkpoints=capped)
-    subs = {sub.keys[0]: sub for sub in submits(s.start())}
-
-    def done(key, seconds, nbytes):
-        out = s.handle(TaskFinished(subs[key].copy, {key: seconds}, nbytes))
-        s.validate_state()
-        subs.update({sub.keys[0]: sub for sub in submits(out)})
-        return out
+    s, done = capped_run(graph, ["m"], 300 * mb)
 
     for k in ("l0", "l1"):
         assert instructions(done(k, 60.0, 150 * mb), Checkpoint) == [Checkpoint(k)]
@@ -196,24 +203,16 @@ def test_a_dearer_value_displaces_the_checkpoints_that_protect_least_per_byte():
 
 def test_a_displaced_checkpoint_gives_its_lineage_back_to_the_values_made_from_it():
     """The simulated 280 x 12 cluster's draw 7, small: ``c`` (65 s) reads ``f0`` (5 s),
-    made from ``s0``, whose checkpoint spares ``l0`` and ``s0`` (150 s). The store is full and ``c`` is refused
-    room (the cheapest checkpoint per byte, ``s0``, protects more than ``c`` would).
+    made from ``s0``, whose checkpoint spares ``l0`` and ``s0`` (150 s). The store is
+    full and ``c`` is refused room (the cheapest checkpoint per byte, ``s0``, protects
+    more than ``c`` would).
     ``h`` (an hour) then displaces ``s0``: a loss of ``c`` would now rerun 220 s, so
     ``c`` is offered again and written in the room left, and its loss reads it back.
     Before, ``c`` stayed at 70 s, never written, and its node's loss ran its chain again."""
     mb = 2**20
     graph = {"q0": set(), "q1": set(), "l0": set(), "s0": {"l0"}, "f0": {"s0"}, "c": {"f0"}}
-    graph.update(x=set())
-    graph.update(h={"x"}, m={"q0", "q1", "c", "h"})
-    capped = dataclasses.replace(ON, max_size=300 * mb)
-    s = make(graph, ["m"], checkpoints=capped)
-    subs = {sub.keys[0]: sub for sub in submits(s.start())}
-
-    def done(key, seconds, nbytes):
-        out = s.handle(TaskFinished(subs[key].copy, {key: seconds}, nbytes))
-        s.validate_state()
-        subs.update({sub.keys[0]: sub for sub in submits(out)})
-        return out
+    graph.update(x=set(), h={"x"}, m={"q0", "q1", "c", "h"})
+    s, done = capped_run(graph, ["m"], 300 * mb)
 
     for k in ("q0", "q1"):  # 2 s a MB
         assert instructions(done(k, 200.0, 100 * mb), Checkpoint) == [Checkpoint(k)]
