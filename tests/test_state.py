@@ -329,8 +329,9 @@ class Driver:
         self.memory.update(sub.kept)
         self.roots.update(sub.kept)
         self.recovering.difference_update(sub.keys)
-        if sub.root in self.sc.available:  # recomputed: the Ray layer heals its owner
-            self.given.add(sub.root)
+        # given values recomputed: the Ray layer heals the owner of each one kept (all
+        # are: a given value is never fused away), root or not
+        self.given.update(k for k in sub.kept if k in self.sc.available)
         for k in sub.keys:
             self.known[self.sc.categories[k]] = self.sc.durations[self.sc.categories[k]]
             self.runs[self.sc.categories[k]] += 1
@@ -565,9 +566,9 @@ class Driver:
         """May this task go before its priority says (speculation: see ``SpecDriver``)?"""
         return False
 
-    def _boosted_now(self, key) -> bool:
-        """... and at the end of the event, when the next one would go?"""
-        return self._boosted(key)
+    def _head(self, ready: set):
+        """The ready task the state takes next: by rank (speculation: see ``SpecDriver``)."""
+        return min(ready, key=self._rank)
 
     def _ready(self) -> set:
         return {
@@ -594,10 +595,7 @@ class Driver:
 
         ready = self._ready()
         if ready:
-            head = min(ready, key=self._rank)
-            boosted = [k for k in ready if self._boosted_now(k)]
-            if boosted and self._rank(min(boosted, key=self._rank))[0] <= self._rank(head)[0]:
-                head = min(boosted, key=self._rank)  # never ahead of a recovery wave
+            head = self._head(ready)
             for sub in new:  # recovery, then higher priority, first: nothing better waits
                 k = sub.keys[0]
                 if not self._boosted(k):
@@ -1009,16 +1007,28 @@ class SpecDriver(Driver):
             return True
         return sp.feeds_long(key) and not any(sp.fed_long(k) for k in self._ready())
 
-    def _boosted_now(self, key) -> bool:
-        """A feeder only while long tasks hold less than half the slots: earlier in
-        the event they may have held fewer."""
+    def _head(self, ready: set):
+        """In the state's precedence (``State.next_ready``), each never ahead of a
+        recovery wave: fed long work; else, while long tasks hold less than half the
+        slots, a feeder of long work; else, short-handed, a task known long; else rank.
+        A feeder that needs more slots than are free so goes first all the same, and
+        blocks the rest (``_fill``) as any head does."""
         sp, tasks = self.state.speculator, self.state.tasks
-        if not self._boosted(key):
-            return False
-        if not sp.feeds_long(key) or sp.fed_long(key) or sp.short_handed() and sp.known_long(key):
-            return True
-        long = sum(ts.state == PROCESSING and ts.category in sp.lasts_long for ts in tasks.values())
-        return 2 * long < self.state.capacity
+        head = super()._head(ready)
+        kinds = []
+        if not self.state.placer.any_full:
+            fed = [k for k in ready if sp.fed_long(k)]
+            running = [ts for ts in tasks.values() if ts.state == PROCESSING]
+            long = sum(ts.category in sp.lasts_long for ts in running)
+            feeders = [k for k in ready if sp.feeds_long(k)]
+            kinds.append(fed or (feeders if 2 * long < self.state.capacity else []))
+        if sp.short_handed():
+            kinds.append([k for k in ready if sp.known_long(k)])
+        for kind in kinds:
+            first = min(kind, key=self._rank, default=None)
+            if first is not None and self._rank(first)[0] <= self._rank(head)[0]:
+                return first
+        return head
 
     def copy_group(self, cid: int) -> int:
         return self.group_of[cid]
