@@ -10,8 +10,11 @@ node with the most free CPUs; a copy whose input is gone with its node fails to 
 it, ``InputLost``, as on Ray without retries of its own); ``Cancel`` stops a copy;
 ``Release`` frees its value's bytes in the node's store. Nodes are evicted as a batch
 pool evicts them (a Poisson rate per node-hour) and replaced after a delay by fresh
-nodes. Every call into the
-state machine is timed with ``time.process_time`` apart from the simulator's own work.
+nodes. A value whose node is evicted is gone, unless a copy running on another node
+has read it: then, as Ray does, that copy of it becomes the primary, and it lives on
+there (``test_speculation.py``'s
+``test_insured_again_though_its_input_went_with_the_first_copys_node``). Every call into
+the state machine is timed with ``time.process_time`` apart from the simulator's own work.
 
 Shared by ``bench/simcluster.py`` (280 nodes x 12 CPUs, the founding user's graph at
 60k-330k tasks) and ``tests/test_sim.py`` (a small one, checked).
@@ -237,6 +240,7 @@ class Running:
     end: float
     cpus: float
     restore: tuple = ()  # keys read back from their checkpoints, not computed
+    inputs: tuple = ()  # read from the stores when it started
 
 
 @dataclass
@@ -511,7 +515,7 @@ class Sim:
         self._take(node, cpus)
         end = self.t + sum(self._seconds(k, sub.restore) for k in sub.keys)
         self.running[sub.copy] = Running(
-            sub.copy, sub.keys, sub.kept, node, self.t, end, cpus, sub.restore
+            sub.copy, sub.keys, sub.kept, node, self.t, end, cpus, sub.restore, sub.inputs
         )
         self.restored += len(sub.restore)
         self._push(end, "finish", sub.copy)
@@ -565,8 +569,18 @@ class Sim:
         self.alive.discard(node)
         self.by_free[int(self.free[node])].discard(node)
         self.free[node] = 0.0
+        readers: dict = {}  # value -> the nodes of copies that read it, running elsewhere
+        for r in self.running.values():
+            if r.node != node:
+                for d in r.inputs:
+                    readers.setdefault(d, []).append(r.node)
         for k in [k for k, v in self.values.items() if v[0] == node]:
+            nbytes = self.values[k][1]
             self._free_value(k)
+            if k in readers:  # Ray makes a reader's copy the primary: it lives on there
+                home = min(readers[k])
+                self.values[k] = (home, nbytes)
+                self.used[home] += nbytes
         dead = [r for r in self.running.values() if r.node == node]
         name = self.node_ids[node]
         self.step(NodeDied(name, f"evicted: {name[:12]}"))

@@ -21,7 +21,7 @@ import dask
 import numpy as np
 import pytest
 import ray
-from chaos import Clusters, assert_same, assert_stores_empty, ensure_nodes
+from chaos import Background, Clusters, assert_same, assert_stores_empty, ensure_nodes
 from dask._task_spec import Task, TaskRef
 
 import raydag
@@ -297,3 +297,42 @@ def test_hung_node_never_hangs_the_compute(cluster, log):
         time.sleep(0.1)
     assert ray.available_resources().get("CPU", 0) == 3, ray.available_resources()
     assert_stores_empty()
+
+
+def test_insured_again_though_its_input_went_with_the_first_copys_node(cluster, log):
+    """``long`` reads ``load`` (in the object store) and runs first where ``load`` was
+    made; its duplicate starts on a second node. The first node dies, and ``load``'s
+    only stored copy with it, but the duplicate has read it: Ray makes that copy the
+    new primary, so the state machine keeps ``load`` and insures the duplicate again,
+    on the third node, which fetches ``load`` from the second (Ray's pull of it,
+    begun while the dead node was its location, retries about 10 s later: ``long`` runs
+    20 s). Nothing is recomputed, no recovery wave runs, ``long`` never starts from
+    scratch. (Last in the module: the node it kills may be the slowed one.)"""
+    spec = {"short-0": (0.3, False, ()), "short-1": (0.3, False, ()), "load": (0.3, False, ())}
+    spec["long"] = (20.0, False, ("load",))
+    spec["sum"] = (0.1, False, ("short-0", "short-1", "long", "load"))  # load is kept
+    run = Background(lambda: raydag.ray_get(graph(spec, log), ["sum"]))
+    deadline = time.monotonic() + 60
+    while (
+        len(starts := [(n, t) for k, lab, n, t in runs(log) if lab == "long" and k == "start"]) < 2
+    ):
+        assert time.monotonic() < deadline and not run.done.is_set(), "no duplicate of long"
+        time.sleep(0.05)
+    time.sleep(1.0)  # the duplicate has read load
+    (made_on,) = [n for k, lab, n, _ in runs(log) if lab == "load" and k == "end"]
+    first, survivor = starts[0][0], starts[1][0]
+    assert first == made_on, (starts, made_on)  # Ray's locality: where its input is
+    t_kill = time.time()
+    cluster.kill(cluster.by_id(first))
+    assert_same(run.result(120), expected(spec, ["sum"]))
+    rs = runs(log)
+    assert [lab for k, lab, _, _ in rs if k == "start"].count("load") == 1, rs  # not made again
+    later = [(n, t) for k, lab, n, t in rs if lab == "long" and k == "start" and t > t_kill]
+    assert later and later[0][0] not in (first, survivor), (later, starts)  # it read load
+    ends = [n for k, lab, n, _ in rs if lab == "long" and k == "end"]
+    assert ends[:1] == [survivor], (ends, survivor)  # the duplicate ran on and won
+    ev = raydag.last_run().events
+    assert not ((ev.event == "retried") & (ev.key == "long")).any(), ev
+    assert raydag.last_run().summary()["recovery_waves"] == 0, raydag.last_run().summary()
+    assert_stores_empty()
+    cluster.add_node()

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from raydag.core.events import (
     Cancel,
     NodeDied,
+    Recover,
     Submit,
     TaskErred,
     TaskFinished,
@@ -323,13 +324,14 @@ def test_every_long_copy_is_insured_at_the_tail_not_max_in_flight_of_them():
     assert [i.copy for i in out if isinstance(i, Cancel)] == [again.copy]
 
 
-def test_no_copy_is_insured_whose_input_went_with_a_dead_node():
+def test_a_copy_is_insured_again_though_its_input_went_with_the_dead_node():
     """``heavy`` reads ``load``, made on n0; its first copy runs on n0 and is insured on
-    n1. n0 dies: ``load`` stays in memory for the state machine while the copy on n1,
-    which has read it, runs on (``Recoverer.lost_with_dead_nodes``), but a new copy could
-    not fetch it: on Ray it would fail, and the wave after it would reset the group,
-    cancelling the copy on n1 too. So the copy left is not insured again, whatever CPUs
-    are idle; it runs on and finishes the compute."""
+    n1. n0 dies: ``load`` stays in memory while the copy on n1, which has read it, runs
+    on (``Recoverer.lost_with_dead_nodes``): Ray makes that copy of it the new primary,
+    so a new copy on n2 or n3 can fetch it (``test_speculation.py``'s
+    ``test_insured_again_though_its_input_went_with_the_first_copys_node``, on Ray). The
+    copy left is insured again at once, as any insured copy left alone; nothing is
+    recomputed, and the copy on n1 runs on and wins."""
     deps = {"load": set(), "heavy": {"load"}, "total": {"heavy"}}
     sp = Speculation(enabled=True, long_task=5.0)
     s = make(deps, ["total"], nodes=4, sp=sp)
@@ -347,10 +349,15 @@ def test_no_copy_is_insured_whose_input_went_with_a_dead_node():
     s.handle(NodeDied("n0", "test"))
     out = s.handle(TaskErred(first.copy, "heavy", ConnectionError(), node_died=True))
     assert out == [] and s.tasks["load"].state == MEMORY, out  # the copy on n1 read it
-    assert s.handle(Tick(2.0, {"n2": 1.0, "n3": 1.0})) == []  # no copy can read load
+    (again,) = s.handle(Tick(2.0, {"n2": 1.0, "n3": 1.0}))
+    assert (again.root, again.duplicate, again.inputs) == ("heavy", True, ("load",)), again
+    assert again.node in ("n2", "n3"), again
+    s.handle(TaskStarted(again.copy, again.node, 2.0))
     s.validate_state()
     out = s.handle(TaskFinished(dup.copy, {"heavy": 20.0}, 8, "n1", 1.25))
+    assert [i.copy for i in out if isinstance(i, Cancel)] == [again.copy], out
     assert [i.keys for i in out if isinstance(i, Submit)] == [("total",)], out
+    assert not [i for i in out if isinstance(i, Recover)], out
 
 
 def test_short_stragglers_stay_within_max_in_flight():

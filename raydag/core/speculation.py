@@ -1441,13 +1441,6 @@ class Speculator:
                     continue
             elif not (late or self.long(g.lead, ran)):
                 continue
-            if left < math.inf and not unknown and not all(s.fetchable(k) for k in g.inputs):
-                # an input held only on a dead node (kept while a copy that read it runs
-                # on): a new copy would fail to fetch it on Ray, and the recovery wave
-                # after it would cancel the copy that runs too. Not for a copy overdue
-                # (a hung node's, say): that wave, which makes the input again, is its
-                # way out
-                continue
             # LATE: the longest expected time left first (the copy that would end last)
             insures = self._insures(left, fresh)
             out.append((-left, s.tasks[g.lead].priority, g.id, left, fresh, late, insures))

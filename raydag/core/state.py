@@ -381,13 +381,6 @@ class State:
         n = self.nodes.get(node)
         return n is None or n.alive
 
-    def fetchable(self, key: Key) -> bool:
-        """Could a copy started now read ``key``'s value? Not if it lives on a dead node:
-        it stays in memory while a running copy that has read it runs on
-        (``Recoverer.lost_with_dead_nodes``), but a new copy could not fetch it."""
-        ts = self.tasks[key]
-        return ts.inline or ts.node is None or self.is_alive(ts.node)
-
     def held_on(self, node: str) -> set:
         """The keys whose values ``node`` holds."""
         n = self.nodes.get(node)
