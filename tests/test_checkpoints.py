@@ -201,29 +201,6 @@ def test_a_dearer_value_displaces_the_checkpoints_that_protect_least_per_byte():
     s.validate_state()
 
 
-def test_room_is_taken_past_a_checkpoint_too_dear_alone():
-    """152 MB of room, full: ``l0`` (150 MB, 600 s: 4 s a MB) and ``s`` (2 MB, 70 s: 35
-    s a MB). ``v`` (2 MB, 132 s) needs 2 MB: ``l0``, cheapest per byte, alone protects
-    more than ``v`` would, so it is passed over, and ``s`` makes the room. Then ``w`` (2
-    MB, 60 s) is refused: past ``l0``, every checkpoint protects at least ``v``'s 66 s a
-    MB, 132 s for 2 MB, more than ``w``'s 60, and nothing is displaced for it."""
-    mb = 2**20
-    graph = {"l0": set(), "s": set(), "v": set(), "w": set()}
-    graph["m"] = set(graph)
-    st_, done = capped_run(graph, ["m"], 152 * mb)
-    for k, seconds, nbytes in [("l0", 600.0, 150 * mb), ("s", 70.0, 2 * mb)]:
-        assert instructions(done(k, seconds, nbytes), Checkpoint) == [Checkpoint(k)]
-        st_.handle(CheckpointWritten(k, nbytes))
-    out = done("v", 132.0, 2 * mb)
-    assert instructions(out, RemoveCheckpoints) == [RemoveCheckpoints(("s",))]
-    assert instructions(out, Checkpoint) == [Checkpoint("v")]
-    st_.handle(CheckpointWritten("v", 2 * mb))
-    out = done("w", 60.0, 2 * mb)
-    assert instructions(out, Checkpoint) == instructions(out, RemoveCheckpoints) == []
-    assert st_.tasks["l0"].durable == st_.tasks["v"].durable == WRITTEN
-    st_.validate_state()
-
-
 def test_a_displaced_checkpoint_gives_its_lineage_back_to_the_values_made_from_it():
     """The simulated 280 x 12 cluster's draw 7, small: ``c`` (65 s) reads ``f0`` (5 s),
     made from ``s0``, whose checkpoint spares ``l0`` and ``s0`` (150 s). The store is

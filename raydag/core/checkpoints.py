@@ -109,9 +109,6 @@ WRITING = "writing"  # a write is in flight
 WRITTEN = "written"  # written whole in this compute
 FOUND = "found"  # found in the store at the start (an earlier compute's)
 READABLE = (WRITTEN, FOUND)
-# checkpoints too dear alone that one refusal of room passes over at most: a bound on
-# its work (a heap pop and push each), not a policy
-SCAN = 32
 
 
 def _enabled(value: Any, store: str | None) -> bool:
@@ -319,12 +316,7 @@ class Checkpointer:
         """Is there room for ``ts`` under ``max_size``? The room its write frees (the
         checkpoints it supersedes) counts; what is still missing is taken from the
         checkpoints that protect least per byte, if together they protect less than
-        ``ts`` would (else ``ts`` is not written). One that alone would protect too much
-        (150 MB at 0.4 s a MB, when 2 MB are missing) is passed over for the next, which
-        protects more a byte but may need fewer bytes. The scan stops once every one
-        left must cost too much: each protects at least the current one's seconds a
-        byte, so what is missing costs at least that many times its bytes; and after
-        ``SCAN`` passed over, to bound the work of a refusal."""
+        ``ts`` would (else ``ts`` is not written)."""
         cap = self.settings.max_size
         if cap is None:
             return True
@@ -336,21 +328,15 @@ class Checkpointer:
         worth, tasks, held = self._protects(ts), self.s.tasks, self._held
         taken: list[tuple[float, Key]] = []
         aside: list[tuple[float, Key]] = []  # being written, or read back: they stay
-        freed, spared, passed = 0, 0.0, 0
+        freed, spared = 0, 0.0
         while freed < missing and (entry := held.pop()) is not None:
             t = tasks[entry[1]]
             if t.durable != WRITTEN or t.restore or t.key in ts.dependencies:
                 aside.append(entry)  # an input's room is counted above, if it frees any
                 continue
-            if spared + entry[0] * (missing - freed) >= worth:
-                aside.append(entry)  # none left can make the room for less than ts protects
-                break
             if spared + self._protects(t) >= worth:
-                aside.append(entry)  # too dear alone: one after it may need fewer bytes
-                passed += 1
-                if passed >= SCAN:
-                    break
-                continue
+                aside.append(entry)
+                break
             taken.append(entry)
             freed += self._bytes[t.key]
             spared += self._protects(t)
